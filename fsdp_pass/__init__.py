@@ -1,0 +1,21 @@
+"""fsdp_pass: Fully Sharded Data Parallel (ZeRO-2 / ZeRO-3) as a trace pass for Lightning Thunder."""
+
+from fsdp_pass.errors import FSDPError
+from fsdp_pass.layout import ShardLayout
+from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
+from fsdp_pass.state_dict import full_state_dict, load_full_state_dict
+from fsdp_pass.transform import FSDP
+from fsdp_pass.fake_group import fake_process_group
+
+__all__ = [
+    "FSDP",
+    "FSDPError",
+    "ShardLayout",
+    "ShardingPlan",
+    "Strategy",
+    "Unit",
+    "UnitPlan",
+    "fake_process_group",
+    "full_state_dict",
+    "load_full_state_dict",
+]

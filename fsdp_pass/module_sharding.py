@@ -1,0 +1,146 @@
+"""Shard a ThunderModule's parameters in place of the originals (the transform's module step).
+
+``shard_module(thunder_module, group, strategy, device, broadcast_from) -> ShardingPlan``
+
+1. Check the input: a process group, parameters on one device.
+2. Name every parameter, with tied names pointing at the first name of their tensor.
+3. Materialize meta-device submodules one at a time (``to_empty`` + ``reset_parameters``).
+4. Optionally broadcast full parameters and buffers from one rank so all ranks start equal.
+5. Replace each parameter by this rank's dim-0 shard (a new ``nn.Parameter``, registered as a
+   Thunder override under every name that shares it). Buffers stay replicated.
+6. Optionally release the original full tensors (replaced by meta tensors of the same shape).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from fsdp_pass.errors import check, fail
+from fsdp_pass.layout import ShardLayout, shard_tensor
+from fsdp_pass.plan import ParamSpec, ShardingPlan, Strategy
+
+
+def resolve_device(module: torch.nn.Module, device) -> torch.device:
+    """The device shards live on: the argument, else the model's device, else cuda:LOCAL_RANK (cpu without CUDA)."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    devices = {t.device for t in tensors}
+    check(
+        len(devices) <= 1,
+        lambda: f"The model's parameters and buffers are on several devices: {sorted(map(str, devices))}.",
+        "Move the whole model to one device first (model.to(device)), or build all of it on the meta device.",
+    )
+    if device is not None:
+        return torch.device(device)
+    if devices and next(iter(devices)).type != "meta":
+        return devices.pop()
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give meta-device submodules real storage on ``device`` and initialize them with reset_parameters()."""
+    for name, sub in module.named_modules():
+        local = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
+        if not any(t.is_meta for t in local):
+            continue
+        check(
+            hasattr(sub, "reset_parameters"),
+            lambda: f"Submodule {name or '<root>'!r} ({type(sub).__name__}) is on the meta device "
+            "and has no reset_parameters() to initialize it.",
+            "Add a reset_parameters() method that initializes its parameters and buffers, "
+            "or build the model on a real device.",
+        )
+        sub.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            sub.reset_parameters()
+
+
+def shard_module(thunder_module, group, strategy: Strategy, device, broadcast_from, release_originals: bool):
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    original = thunder_module._model
+    device = resolve_device(original, device)
+    if any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
+        _materialize(original, device)
+        # to_empty made new tensors: point the ThunderModule at them
+        thunder_module._overrides_parameters.update(original.named_parameters(remove_duplicate=False))
+        thunder_module._overrides_buffers.update(original.named_buffers(remove_duplicate=False))
+
+    shared = thunder_module._get_shared_names()
+    named = list(thunder_module.named_parameters(remove_duplicate=False))
+    first_name: dict[int, str] = {}
+    specs = []
+    for name, p in named:
+        owner = first_name.setdefault(id(p), name)
+        specs.append(ParamSpec(name, owner, ShardLayout(tuple(p.shape), world_size), p.dtype, p.requires_grad))
+    plan = ShardingPlan(world_size=world_size, rank=rank, strategy=strategy, params=tuple(specs))
+
+    if broadcast_from is not None:
+        check(
+            0 <= broadcast_from < world_size,
+            f"broadcast_from={broadcast_from} is not a rank of the process group (world size {world_size}).",
+            f"Pass a rank in 0..{world_size - 1}, or None to keep each rank's own initial weights.",
+        )
+
+    with torch.no_grad():
+        for name, b in list(thunder_module.named_buffers()):
+            moved = b.to(device, copy=broadcast_from is not None)
+            if broadcast_from is not None:
+                dist.broadcast(moved, src=dist.get_global_rank(group, broadcast_from), group=group)
+            if moved is not b or broadcast_from is not None:
+                for n2 in shared[name]:
+                    thunder_module._overrides_buffers[n2] = moved
+
+        for spec in plan.owners():
+            full = thunder_module.get_parameter(spec.name).detach().to(device, copy=broadcast_from is not None)
+            if broadcast_from is not None:
+                dist.broadcast(full, src=dist.get_global_rank(group, broadcast_from), group=group)
+            shard = torch.nn.Parameter(shard_tensor(full, spec.layout, rank), requires_grad=spec.requires_grad)
+            for n2 in shared[spec.name]:
+                thunder_module._overrides_parameters[n2] = shard
+            if release_originals:
+                _release(original, shared[spec.name], device)
+    return plan, device
+
+
+def _release(original: torch.nn.Module, names, device: torch.device) -> None:
+    """Swap the original module's full tensor for a meta tensor of the same shape (frees its memory).
+
+    Thunder reads ``_thunder_device`` to trace a meta tensor as if it lived on ``device``.
+    """
+    meta = None
+    for n in sorted(names):
+        mod_name, _, attr = n.rpartition(".")
+        sub = original.get_submodule(mod_name)
+        p = getattr(sub, attr)
+        if meta is None:
+            meta = torch.nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            meta._thunder_device = device
+        sub.register_parameter(attr, meta)
+
+
+def check_process_group(process_group):
+    check(
+        dist.is_available() and dist.is_initialized(),
+        "FSDP needs an initialized torch.distributed process group, and none is initialized.",
+        "Call torch.distributed.init_process_group() before thunder.jit (under torchrun: "
+        "init_process_group(backend='gloo') on CPU, 'nccl' on CUDA). To build traces in one process at any "
+        "world size use fsdp_pass.fake_process_group(world_size).",
+    )
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def check_not_sharded_yet(thunder_module) -> None:
+    if getattr(thunder_module._model, "use_fsdp", False):
+        fail(
+            "This model is already sharded by thunder.distributed.fsdp.",
+            "Apply only one FSDP: use thunder.jit(model, transforms=[fsdp_pass.FSDP(...)]) on the plain model.",
+        )
+    if getattr(thunder_module, "_fsdp_pass_plan", None) is not None:
+        fail(
+            "fsdp_pass.FSDP was applied twice to the same model.",
+            "Pass a single FSDP(...) in transforms=[...]; to change the strategy, jit the original model again.",
+        )

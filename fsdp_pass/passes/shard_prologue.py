@@ -1,0 +1,34 @@
+"""Pass: make the prologue expect (and check) the sharded parameters the module now holds.
+
+``shard_prologue(prologue, plan) -> prologue``: the tensor produced by ``module.get_parameter(name)``
+gets its shard's shape, and the metadata check on it expects that shape and the shard's device.
+"""
+
+from __future__ import annotations
+
+from thunder.core import devices
+from thunder.core.proxies import variableify
+from thunder.core.trace import TraceProvenance, from_trace
+
+from fsdp_pass.passes.proxies import with_shape
+from fsdp_pass.plan import ShardingPlan
+from fsdp_pass.predicates import is_shape_check, is_unpack_parameter
+
+
+def shard_prologue(prologue, sharding: ShardingPlan, device):
+    device_str = devices.to_device(device).device_str()
+    swap = {}
+    for bsym in prologue.bound_symbols:
+        if is_unpack_parameter(bsym) and bsym.args[1] in sharding:
+            out = bsym.output
+            swap[variableify(out)] = with_shape(out, sharding.param(bsym.args[1]).layout.shard_shape)
+
+    new = from_trace(prologue)
+    for bsym in prologue.bound_symbols:
+        nbsym = bsym.from_bsym_swap_proxies(swap)
+        if is_shape_check(bsym) and variableify(bsym.args[0]) in swap:
+            tensor, _, _, *rest = nbsym.args
+            nbsym = nbsym.from_bsym(args=(tensor, tuple(tensor.shape), device_str, *rest))
+        new.bound_symbols.append(nbsym)
+    new.set_provenance(TraceProvenance("fsdp_pass: sharded parameter checks"))
+    return new

@@ -1,0 +1,59 @@
+"""Named predicates over bound symbols, keyed on symbol ids (never on printed text)."""
+
+from __future__ import annotations
+
+from thunder.core import prims
+from thunder.distributed.prims import PrimIDs as DistIDs
+
+_ALL_GATHER_IMPL = "torch_all_gather_prim_impl"
+_REDUCE_SCATTER_IMPL = "torch_reduce_scatter_prim_impl"
+_WAIT_IMPL = "torch_wait_prim_impl"
+
+
+def _id(bsym):
+    return bsym.sym.id
+
+
+def is_all_gather(bsym) -> bool:
+    return _id(bsym) in (DistIDs.ALL_GATHER, _ALL_GATHER_IMPL)
+
+
+def is_reduce_scatter(bsym) -> bool:
+    return _id(bsym) in (DistIDs.REDUCE_SCATTER, _REDUCE_SCATTER_IMPL)
+
+
+def is_all_reduce(bsym) -> bool:
+    return _id(bsym) in (DistIDs.ALL_REDUCE, "torch_all_reduce_prim_impl")
+
+
+def is_wait(bsym) -> bool:
+    return _id(bsym) in (DistIDs.WAIT, _WAIT_IMPL)
+
+
+def is_collective(bsym) -> bool:
+    return is_all_gather(bsym) or is_reduce_scatter(bsym) or is_all_reduce(bsym)
+
+
+def is_unshard_unit(bsym) -> bool:
+    return _id(bsym) == "fsdp_pass.unshard_unit"
+
+
+def is_unpack_parameter(bsym) -> bool:
+    return bsym.sym is prims.unpack_parameter
+
+
+def is_shape_check(bsym) -> bool:
+    return bsym.sym is prims.check_tensor_shape_and_metadata
+
+
+def is_return(bsym) -> bool:
+    return bsym.sym is prims.python_return
+
+
+def is_unpack_trivial(bsym) -> bool:
+    return bsym.sym is prims.unpack_trivial
+
+
+def collectives(trace) -> list:
+    """The collective bound symbols of ``trace`` in program order (top level only)."""
+    return [b for b in trace.bound_symbols if is_collective(b)]

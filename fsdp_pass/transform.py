@@ -1,0 +1,113 @@
+"""``FSDP``: the Thunder transform. A thin adapter from Thunder's hooks onto the pure passes.
+
+Thunder calls, in order:
+  1. ``transform_module`` once, when ``thunder.jit`` is given the transform: shard the parameters
+     (:func:`~fsdp_pass.module_sharding.shard_module`), producing the :class:`ShardingPlan`;
+  2. ``transform_traces_pre_prologue`` at each compile, on the functional forward trace: plan the
+     units (:func:`~fsdp_pass.units.plan_units`), insert the gathers
+     (:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`) and fix the prologue's checks
+     (:func:`~fsdp_pass.passes.shard_prologue.shard_prologue`). Thunder then derives the backward
+     from ``unshard_unit``'s gradient rule (the reduce-scatters) and lowers both traces;
+  3. ``transform_trace_post_optimization`` on the final forward and backward traces: check that all
+     ranks issue the same collectives (:mod:`fsdp_pass.verify`).
+"""
+
+from __future__ import annotations
+
+from thunder.core.trace import TraceTag
+from thunder.core.transform_common import Transform
+
+from fsdp_pass.layout import shard_tensor
+from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, shard_module
+from fsdp_pass.passes.insert_unshards import insert_unshards
+from fsdp_pass.passes.parameter_args import parameter_names_of_args
+from fsdp_pass.passes.shard_prologue import shard_prologue
+from fsdp_pass.plan import Strategy, parse_strategy
+from fsdp_pass.state_dict import gather_full
+from fsdp_pass.units import plan_units
+
+
+class FSDP(Transform):
+    """Fully sharded data parallel as a trace pass.
+
+    Args:
+        strategy: ``"zero2"`` (keep gathered parameters for the backward) or ``"zero3"`` (free them
+            after forward, gather again in the backward).
+        process_group: the group to shard over; the default group if None.
+        device: where shards live; default: the model's device, else ``cuda:LOCAL_RANK``.
+        broadcast_from: a rank whose initial parameters and buffers every rank takes; None keeps
+            each rank's own (then ranks must have initialized identically, e.g. the same seed).
+        units: the unit policy (see :mod:`fsdp_pass.units`).
+        release_original_parameters: replace the original module's full tensors with meta tensors
+            once sharded, so each rank holds 1/N of the parameters.
+        verify_ranks: at each compile, check that every rank issues the same collectives.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy | str = Strategy.ZERO2,
+        *,
+        process_group=None,
+        device=None,
+        broadcast_from: int | None = None,
+        units: str = "per_parameter",
+        release_original_parameters: bool = True,
+        verify_ranks: bool = True,
+    ):
+        self.strategy = parse_strategy(strategy)
+        self.process_group = process_group
+        self.device = device
+        self.broadcast_from = broadcast_from
+        self.units = units
+        self.release_original_parameters = release_original_parameters
+        self.verify_ranks = verify_ranks
+        self.group = None
+        self.sharding = None
+        self.unit_plan = None  # the plan of the latest compile
+
+    def __repr__(self) -> str:
+        return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.units!r})"
+
+    def transform_module(self, model) -> None:
+        self.group = check_process_group(self.process_group)
+        check_not_sharded_yet(model)
+        self.sharding, self.device = shard_module(
+            model, self.group, self.strategy, self.device, self.broadcast_from, self.release_original_parameters
+        )
+        model._fsdp_pass_plan = self.sharding
+
+    def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
+        arg_params = parameter_names_of_args(prologue_trace, computation_trace)
+        self.unit_plan = plan_units(computation_trace, arg_params, self.sharding, self.units)
+        computation_trace = insert_unshards(computation_trace, self.unit_plan, arg_params, self.group)
+        prologue_trace = shard_prologue(prologue_trace, self.sharding, self.device)
+        return prologue_trace, computation_trace, epilogue_trace
+
+    def transform_trace_post_optimization(self, computation_trace, **kwargs):
+        if self.verify_ranks:
+            from fsdp_pass.verify import check_same_collectives_on_all_ranks
+
+            phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
+            check_same_collectives_on_all_ranks(computation_trace, phase, self.group)
+        return computation_trace
+
+    # state dicts through ThunderModule.load_original_state_dict / original_state_dict
+    def transform_state_dict_for_submodule(self, model, submodule_name, state_dict):
+        prefix = f"{submodule_name}." if submodule_name else ""
+        out = {}
+        for k, v in state_dict.items():
+            name = prefix + k
+            if name in self.sharding:
+                v = shard_tensor(v.to(self.device), self.sharding.param(name).layout, self.sharding.rank)
+            out[k] = v
+        return out
+
+    def reverse_transform_state_dict_for_submodule(self, model, submodule_name, state_dict):
+        prefix = f"{submodule_name}." if submodule_name else ""
+        out = {}
+        for k, v in state_dict.items():
+            name = prefix + k
+            if name in self.sharding:
+                v = gather_full(v, self.sharding.param(name).layout, self.group)
+            out[k] = v
+        return out

@@ -1,0 +1,143 @@
+"""``unshard_unit``: the op the pass inserts before a unit's first use, and its gradient rule.
+
+Forward (what the symbol decomposes into, readable in the printed trace):
+  1. pack: the unit's local shards, flattened and concatenated into one flat buffer;
+  2. ``all_gather`` of that buffer (async) and its ``wait``;
+  3. unpack: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
+
+Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thunder derives it):
+  1. each trainable parameter's full gradient padded with zero rows and laid out rank-major;
+  2. one flat buffer, pre-divided by the world size (averaging without overflow in low precision);
+  3. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the gradient of its own shard;
+  4. the shard gradients cut out of it.
+
+ZeRO-3 needs no extra op: the pass tags the forward ``unshard_unit`` with
+``RECOMPUTE_IN_BACKWARD``, so Thunder's autodiff re-issues the all-gather in the backward instead of
+saving the gathered parameters.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import thunder.torch as ltorch
+from thunder.core.symbol import Symbol, bsym_header
+from thunder.core.transforms import get_grad, put_grad, register_grad
+from thunder.distributed import prims as dist_prims
+
+from fsdp_pass.layout import ShardLayout
+
+
+def _layouts(full_shapes, world_size):
+    return [ShardLayout(tuple(s), world_size) for s in full_shapes]
+
+
+def _flat_rank_major(tensors, layouts, world_size):
+    """Lay padded row-major tensors out as one flat buffer: all of rank 0's rows, then rank 1's..."""
+    if len(tensors) == 1:
+        return ltorch.reshape(tensors[0], (-1,))
+    columns = [ltorch.reshape(t, (world_size, lay.shard_numel)) for t, lay in zip(tensors, layouts)]
+    return ltorch.reshape(ltorch.cat(columns, 1), (-1,))
+
+
+def _cut_rank_major(flat, layouts, world_size):
+    """Inverse of :func:`_flat_rank_major` followed by dropping the padding rows."""
+    out = []
+    if len(layouts) == 1:
+        (lay,) = layouts
+        padded = ltorch.reshape(flat, (lay.padded_rows, *lay.shape[1:]) if lay.shape else (lay.padded_rows,))
+        full = padded if lay.padding_rows == 0 else ltorch.getitem(padded, slice(0, lay.rows))
+        return [ltorch.reshape(full, lay.shape) if not lay.shape else full]
+    per_rank = sum(lay.shard_numel for lay in layouts)
+    matrix = ltorch.reshape(flat, (world_size, per_rank))
+    offset = 0
+    for lay in layouts:
+        column = ltorch.getitem(matrix, (slice(None), slice(offset, offset + lay.shard_numel)))
+        offset += lay.shard_numel
+        padded = ltorch.reshape(column, (lay.padded_rows, *lay.shape[1:]) if lay.shape else (lay.padded_rows,))
+        full = padded if lay.padding_rows == 0 else ltorch.getitem(padded, slice(0, lay.rows))
+        out.append(ltorch.reshape(full, lay.shape))
+    return out
+
+
+def _cut_flat(flat, layouts):
+    """Split one rank's flat buffer into its shards (no padding to drop: shards keep theirs)."""
+    if len(layouts) == 1:
+        return [ltorch.reshape(flat, layouts[0].shard_shape)]
+    out, offset = [], 0
+    for lay in layouts:
+        out.append(ltorch.reshape(ltorch.getitem(flat, slice(offset, offset + lay.shard_numel)), lay.shard_shape))
+        offset += lay.shard_numel
+    return out
+
+
+def _describe(unit_name, what, layouts, itemsize, world_size):
+    shard = sum(lay.shard_numel for lay in layouts) * itemsize
+    return f"fsdp unit {unit_name!r}: {what} {len(layouts)} param(s), {shard:,} B/rank x {world_size} ranks"
+
+
+def _gather(shards, group, unit_name, full_shapes):
+    world_size = group.size()
+    layouts = _layouts(full_shapes, world_size)
+    flat = ltorch.cat([ltorch.reshape(s, (-1,)) for s in shards], 0) if len(shards) > 1 else ltorch.reshape(shards[0], (-1,))
+    itemsize = shards[0].dtype.bytes
+    with bsym_header(_describe(unit_name, "all-gather", layouts, itemsize, world_size)):
+        gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
+    return _cut_rank_major(gathered, layouts, world_size)
+
+
+def unshard_unit_meta(shards, group, unit_name: str, full_shapes):
+    return _gather(shards, group, unit_name, full_shapes)
+
+
+unshard_unit = Symbol(
+    name="unshard_unit",
+    meta=unshard_unit_meta,
+    id="fsdp_pass.unshard_unit",
+    is_prim=False,
+)
+
+
+def reduce_scatter_grads(grads, group, unit_name: str, full_shapes):
+    """Average full gradients over ranks and give each rank its shard's part (one reduce-scatter)."""
+    world_size = group.size()
+    layouts = _layouts(full_shapes, world_size)
+    padded = []
+    for g, lay in zip(grads, layouts):
+        rows = ltorch.reshape(g, (lay.rows, lay.row_numel))
+        if lay.padding_rows:
+            rows = ltorch.pad(rows, (0, 0, 0, lay.padding_rows))
+        padded.append(rows)
+    flat = _flat_rank_major(padded, layouts, world_size)
+    flat = ltorch.true_divide(flat, world_size)  # pre-divide: sum of averages cannot overflow
+    with bsym_header(_describe(unit_name, "reduce-scatter grads of", layouts, grads[0].dtype.bytes, world_size)):
+        local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
+    return _cut_flat(local, layouts)
+
+
+def _reduce_scalar_grad(grad, shape):
+    """Make sure the gradient of a 0-d parameter is 0-d.
+
+    Thunder 0.2.6 treats a 0-d tensor operand like a number: ``x / scale`` gives ``scale`` a gradient of
+    ``x``'s shape, and relies on torch autograd to sum it at the inputs. Our gathered parameters are not
+    autograd inputs, so the rule sums it here. The proxy still says 0-d when the rule is built (the real
+    gradient is swapped in later), so the reduction must be right for any runtime shape: flatten with
+    ``-1`` (kept literally in the executed call) and sum.
+    """
+    if len(shape) != 0:
+        return grad
+    return ltorch.sum(ltorch.reshape(grad, (-1,)), 0)
+
+
+def _unshard_unit_grad(shards, group, unit_name, full_shapes):
+    fulls = _gather(shards, group, unit_name, full_shapes)
+    trainable = [i for i, s in enumerate(shards) if s.requires_grad]
+    if trainable:
+        grads = [_reduce_scalar_grad(get_grad(fulls[i]), full_shapes[i]) for i in trainable]
+        shard_grads = reduce_scatter_grads(grads, group, unit_name, [full_shapes[i] for i in trainable])
+        for i, g in zip(trainable, shard_grads):
+            put_grad(shards[i], g)
+    return fulls
+
+
+register_grad(unshard_unit.id, _unshard_unit_grad)

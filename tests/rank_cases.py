@@ -1,0 +1,166 @@
+"""Functions executed on every rank of a gloo RankPool (module-level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import copy
+
+import thunder
+import torch
+import torch.distributed as dist
+
+from fsdp_pass import FSDP, full_state_dict, load_full_state_dict
+from fsdp_pass.layout import ShardLayout
+from fsdp_pass.state_dict import gather_full
+from fsdp_pass_executors import executors_for
+from tests import models
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _local(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    n = t.shape[0] // world_size
+    return t[rank * n : (rank + 1) * n]
+
+
+def parity(model_name: str, strategy: str, steps: int = 5, per_rank_batch: int = 2, lr: float = 1e-2, **fsdp_kwargs):
+    """Train the FSDP model and a single-process reference on the same global batches; report errors."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    reference = models.build(model_name)
+    jm = thunder.jit(
+        copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu")
+    )
+    fsdp = next(t for t in jm._lc_transforms if isinstance(t, FSDP))
+    opt = torch.optim.AdamW(jm.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
+    ref_params = dict(reference.named_parameters())
+
+    loss_err, grad_err, losses, frozen_grads = [], [], [], []
+    for step in range(steps):
+        x, y = models.batch(model_name, per_rank_batch * world_size, 0)  # one fixed batch: the loss must fall
+
+        ref_opt.zero_grad()
+        ref_loss = models.loss_fn(model_name, reference(x), y)
+        ref_loss.backward()
+
+        opt.zero_grad()
+        loss = models.loss_fn(model_name, jm(_local(x, rank, world_size)), _local(y, rank, world_size))
+        loss.backward()
+        mean_loss = loss.detach().clone()
+        ref_loss = ref_loss.detach()
+        dist.all_reduce(mean_loss)
+        mean_loss /= world_size
+        loss_err.append(abs(float(mean_loss) - float(ref_loss)) / abs(float(ref_loss)))
+        losses.append(float(mean_loss))
+
+        step_grad_err = 0.0
+        for spec in fsdp.sharding.owners():
+            shard = jm.get_parameter(spec.name)
+            if not spec.requires_grad:
+                frozen_grads.append(shard.grad is not None)
+                continue
+            full_grad = gather_full(shard.grad, spec.layout, fsdp.group)
+            step_grad_err = max(step_grad_err, _rel(full_grad, ref_params[spec.name].grad))
+            # padding rows of the shard stay exactly zero
+            pad_start = spec.layout.rows - rank * spec.layout.rows_per_rank
+            if 0 <= pad_start < spec.layout.rows_per_rank:
+                assert shard.detach().reshape(spec.layout.shard_shape)[pad_start:].abs().max() == 0
+        grad_err.append(step_grad_err)
+        opt.step()
+        ref_opt.step()
+
+    # after training, the gathered parameters equal the reference's
+    full = full_state_dict(jm)
+    param_err = max(_rel(full[n], p.detach()) for n, p in ref_params.items())
+    return {
+        "loss_rel_err": max(loss_err),
+        "grad_rel_err": max(grad_err),
+        "param_rel_err": param_err,
+        "losses": losses,
+        "frozen_grads_present": any(frozen_grads),
+        "shard_numel": sum(p.numel() for p in jm.parameters()),
+        "full_numel": sum(p.numel() for p in reference.parameters()),
+    }
+
+
+def state_dict_round_trip(model_name: str, strategy: str):
+    """full state dict -> load into a fresh sharded model -> full state dict: exact; and outputs match."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    source = models.build(model_name, seed=1)
+    jm = thunder.jit(copy.deepcopy(source), transforms=[FSDP(strategy)], executors=executors_for("cpu"))
+    saved = full_state_dict(jm)
+    exact_save = all(torch.equal(saved[k], v) for k, v in source.state_dict().items())
+    same_keys = sorted(saved) == sorted(source.state_dict())
+
+    target = thunder.jit(models.build(model_name, seed=2), transforms=[FSDP(strategy)], executors=executors_for("cpu"))
+    opt = torch.optim.AdamW(target.parameters(), lr=1e-3)
+    load_full_state_dict(target, saved)
+    again = full_state_dict(target)
+    exact_round_trip = all(torch.equal(again[k], saved[k]) for k in saved)
+    x, _ = models.batch(model_name, 2 * world_size, 0)
+    x = _local(x, rank, world_size)
+    out_err = _rel(target(x).detach(), source(x).detach())
+    params_still_in_optimizer = all(
+        p is q for p, q in zip(opt.param_groups[0]["params"], target.parameters())
+    )
+    return {
+        "exact_save": exact_save,
+        "same_keys": same_keys,
+        "exact_round_trip": exact_round_trip,
+        "out_rel_err": out_err,
+        "params_still_in_optimizer": params_still_in_optimizer,
+    }
+
+
+def mismatched_inputs():
+    """Ranks feed different batch sizes: the first call must raise on every rank, not hang."""
+    rank = dist.get_rank()
+    jm = thunder.jit(models.build("mlp"), transforms=[FSDP("zero2")], executors=executors_for("cpu"))
+    x = torch.randn(2 + rank, 16)
+    try:
+        jm(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 - reported back to the test
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def broadcast_from_rank0():
+    """Ranks start from different weights; broadcast_from=0 makes every rank hold rank 0's."""
+    rank = dist.get_rank()
+    model = models.build("mlp", seed=100 + rank)
+    rank0_model = models.build("mlp", seed=100)
+    jm = thunder.jit(model, transforms=[FSDP("zero3", broadcast_from=0)], executors=executors_for("cpu"))
+    full = full_state_dict(jm)
+    return all(torch.equal(full[k], v) for k, v in rank0_model.state_dict().items())
+
+
+def meta_device_init(strategy: str):
+    """A model built on the meta device is materialized (reset_parameters) and trains."""
+    with torch.device("meta"):
+        model = models.MLP()
+    jm = thunder.jit(model, transforms=[FSDP(strategy, broadcast_from=None)], executors=executors_for("cpu"))
+    x, y = models.batch("mlp", 2, 0)
+    loss = models.loss_fn("mlp", jm(x), y)
+    loss.backward()
+    return {
+        "devices": sorted({str(p.device) for p in jm.parameters()}),
+        "finite": bool(torch.isfinite(loss)),
+        "grads": all(p.grad is not None for p in jm.parameters()),
+    }
+
+
+def no_parameters():
+    class Parameterless(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x) * 2
+
+    jm = thunder.jit(Parameterless(), transforms=[FSDP("zero3")], executors=executors_for("cpu"))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = jm(x)
+    out.sum().backward()
+    return bool(torch.allclose(out, torch.tanh(x) * 2)) and x.grad is not None
+
+
+def layout_of(shape, world_size):
+    return ShardLayout(tuple(shape), world_size)

@@ -1,0 +1,81 @@
+"""Bad input fails with a clear FSDPError that says what to do; never a hang."""
+
+import pytest
+import thunder
+import torch
+import torch.distributed as dist
+
+from fsdp_pass import FSDP, FSDPError, fake_process_group
+from fsdp_pass_executors import executors_for
+from tests import models, rank_cases
+
+
+def test_no_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(FSDPError, match="init_process_group"):
+        thunder.jit(models.MLP(), transforms=[FSDP()])
+
+
+def test_unknown_strategy():
+    with pytest.raises(FSDPError, match="zero2"):
+        FSDP("zero4")
+
+
+def test_strategy_enum_and_names():
+    from fsdp_pass import Strategy
+
+    assert FSDP("ZeRO3").strategy is Strategy.ZERO3
+    assert FSDP(Strategy.ZERO2).strategy is Strategy.ZERO2
+
+
+def test_applied_twice():
+    with fake_process_group(2):
+        with pytest.raises(FSDPError, match="applied twice"):
+            thunder.jit(models.MLP(), transforms=[FSDP(), FSDP()])
+
+
+def test_thunder_fsdp_then_ours():
+    with fake_process_group(2):
+        model = models.MLP()
+        model.use_fsdp = True  # what thunder.distributed.fsdp leaves on a model it sharded
+        with pytest.raises(FSDPError, match="already sharded"):
+            thunder.jit(model, transforms=[FSDP()])
+
+
+def test_mixed_devices():
+    model = models.MLP()
+    model.head.weight = torch.nn.Parameter(torch.empty(4, 16, device="meta"))
+    with fake_process_group(2):
+        with pytest.raises(FSDPError, match="several devices"):
+            thunder.jit(model, transforms=[FSDP()])
+
+
+def test_meta_without_reset_parameters():
+    class NoInit(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with fake_process_group(2):
+        with pytest.raises(FSDPError, match="reset_parameters"):
+            thunder.jit(NoInit(), transforms=[FSDP()])
+
+
+def test_broadcast_from_out_of_range():
+    with fake_process_group(2):
+        with pytest.raises(FSDPError, match="broadcast_from=5"):
+            thunder.jit(models.MLP(), transforms=[FSDP(broadcast_from=5)])
+
+
+def test_mismatched_inputs_raise_on_every_rank(ranks):
+    messages = ranks(2).run(rank_cases.mismatched_inputs, timeout=300)
+    for m in messages:
+        assert m.startswith("FSDPError"), m
+        assert "different collectives" in m and "inputs" in m, m
+
+
+def test_model_without_parameters_just_works(ranks):
+    assert ranks(2).run(rank_cases.no_parameters) == [True, True]
