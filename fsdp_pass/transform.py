@@ -9,7 +9,8 @@ Thunder calls, in order:
      (:func:`~fsdp_pass.passes.shard_prologue.shard_prologue`). Thunder then derives the backward
      from ``unshard_unit``'s gradient rule (the reduce-scatters) and lowers both traces;
   3. ``transform_trace_post_optimization`` on the final forward and backward traces: check that all
-     ranks issue the same collectives (:mod:`fsdp_pass.verify`).
+     ranks issue the same collectives (:mod:`fsdp_pass.verify`) and label each collective with its
+     unit (:func:`~fsdp_pass.passes.annotate.annotate_collectives`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from thunder.core.transform_common import Transform
 
 from fsdp_pass.layout import shard_tensor
 from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, shard_module
+from fsdp_pass.passes.annotate import annotate_collectives
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.parameter_args import parameter_names_of_args
 from fsdp_pass.passes.shard_prologue import shard_prologue
@@ -78,6 +80,8 @@ class FSDP(Transform):
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         arg_params = parameter_names_of_args(prologue_trace, computation_trace)
+        self._param_of_arg = arg_params
+        self._arg_order = [getattr(a, "name", None) for a in computation_trace.args]
         self.unit_plan = plan_units(computation_trace, arg_params, self.sharding, self.units)
         computation_trace = insert_unshards(computation_trace, self.unit_plan, arg_params, self.group)
         prologue_trace = shard_prologue(prologue_trace, self.sharding, self.device)
@@ -89,7 +93,7 @@ class FSDP(Transform):
 
             phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
             check_same_collectives_on_all_ranks(computation_trace, phase, self.group)
-        return computation_trace
+        return annotate_collectives(computation_trace, self.unit_plan, self._param_of_arg, self._arg_order)
 
     # state dicts through ThunderModule.load_original_state_dict / original_state_dict
     def transform_state_dict_for_submodule(self, model, submodule_name, state_dict):

@@ -95,3 +95,16 @@ def test_tied_embedding_is_one_shard_gathered_at_each_use():
         fwd = thunder.last_traces(jm)[-1]
         vocab_rows = -(-37 // WORLD) * 16
         assert input_numels(gathers(fwd)).count(vocab_rows) == 2
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_every_collective_and_wait_is_labelled_with_its_unit(traces, strategy):
+    fwd, bwd, _ = traces[strategy]
+    for trace in (fwd, bwd):
+        for bsym in gathers(trace) + reduce_scatters(trace) + waits(trace):
+            assert "[fsdp]" in str(bsym.header) and "unit '" in str(bsym.header), bsym
+    text = str(bwd)
+    for name in MLP_ORDER:
+        assert f"[fsdp] unit '{name}' reduce-scatter grads" in text
+    if strategy == "zero3":
+        assert "[fsdp] unit 'head.weight' all-gather" in text

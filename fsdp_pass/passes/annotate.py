@@ -1,0 +1,105 @@
+"""Pass: label every collective in a final (executable) trace with its FSDP unit and bytes.
+
+``annotate_collectives(trace, plan, param_of_arg, arg_order) -> trace``
+
+Thunder's lowering replaces our ops with executor calls and drops their comments, so the labels
+are put back on the final forward and backward traces:
+
+1. an all-gather's unit: walk its input back through producers to the parameter shards it packs;
+2. a reduce-scatter's unit: walk its result forward through consumers to the gradients the trace
+   returns (position ``i`` of the backward's return is the gradient of forward argument ``i``);
+3. each collective and its wait get a header line: unit, kind, parameters, bytes per rank.
+"""
+
+from __future__ import annotations
+
+from thunder.core import utils
+from thunder.core.proxies import Proxy
+from thunder.core.trace import TraceProvenance, from_trace
+
+from fsdp_pass.plan import UnitPlan, human_bytes
+from fsdp_pass.predicates import is_all_gather, is_reduce_scatter, is_return, is_wait
+
+
+def _roots(proxy, producers, stop: set[str]) -> set[str]:
+    """Names of the inputs ``proxy`` is computed from (walking back no further than names in ``stop``)."""
+    seen, stack, roots = set(), [proxy], set()
+    while stack:
+        p = stack.pop()
+        if p.name in seen:
+            continue
+        seen.add(p.name)
+        if p.name in stop:  # a shard: a forward argument, or a saved tensor unpacked in the backward
+            roots.add(p.name)
+            continue
+        bsym = producers.get(p, None)
+        args = [a for a in bsym.flat_proxy_args] if bsym is not None else []
+        if not args:
+            roots.add(p.name)
+        stack.extend(args)
+    return roots
+
+
+def _returned_positions(proxy, consumers, return_values) -> set[int]:
+    """Positions of the returned values that ``proxy`` flows into."""
+    position = {}
+    for i, v in enumerate(return_values):
+        if isinstance(v, Proxy):
+            position.setdefault(v.name, set()).add(i)
+    seen, stack, hits = set(), [proxy], set()
+    while stack:
+        p = stack.pop()
+        if p.name in seen:
+            continue
+        seen.add(p.name)
+        hits |= position.get(p.name, set())
+        for bsym in consumers.get(p, []):
+            if not is_return(bsym):
+                stack.extend(bsym.flat_proxy_outs)
+    return hits
+
+
+def _label(plan: UnitPlan, unit, kind: str) -> str:
+    _, shard_numel, pad = plan.unit_numel(unit)
+    b = plan.unit_itemsize(unit)
+    n = plan.sharding.world_size
+    return (
+        f"[fsdp] unit {unit.name!r} {kind}: {len(unit.params)} param(s), "
+        f"{human_bytes(shard_numel * b)}/rank x {n} = {human_bytes(shard_numel * b * n)}"
+        + (f", {pad:,} padding elements" if pad else "")
+    )
+
+
+def annotate_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], arg_order: list[str]):
+    unit_of_param = {p: u for u in plan.units for p in u.params}
+    producers, consumers = utils.producers(trace), utils.consumers(trace)
+    (ret,) = [b for b in trace.bound_symbols if is_return(b)]
+    returned = ret.args[0] if isinstance(ret.args[0], (tuple, list)) else ()
+
+    headers: dict[str, str] = {}  # output name of a collective -> header
+    for bsym in trace.bound_symbols:
+        units = []
+        if is_all_gather(bsym):
+            params = [param_of_arg[n] for n in _roots(bsym.flat_proxy_args[0], producers, set(param_of_arg)) if n in param_of_arg]
+            units = [unit_of_param[p] for p in params if p in unit_of_param]
+            kind = "all-gather"
+        elif is_reduce_scatter(bsym):
+            hits = _returned_positions(bsym.output, consumers, returned)
+            params = [param_of_arg.get(arg_order[i]) for i in hits if i < len(arg_order)]
+            units = [unit_of_param[p] for p in params if p in unit_of_param]
+            kind = "reduce-scatter grads"
+        if units:
+            headers[bsym.output.name] = _label(plan, units[0], kind)
+
+    if not headers:
+        return trace
+    new = from_trace(trace)
+    for bsym in trace.bound_symbols:
+        out = bsym.output if isinstance(bsym.output, Proxy) else None
+        if out is not None and out.name in headers:
+            bsym = bsym.from_bsym(header=headers[out.name])
+        elif is_wait(bsym) and bsym.args[0].name in headers:
+            bsym = bsym.from_bsym(header=headers[bsym.args[0].name].replace("[fsdp]", "[fsdp] wait:", 1))
+        new.bound_symbols.append(bsym)
+    new.set_provenance(TraceProvenance("fsdp_pass: label collectives with their units"))
+    return new
