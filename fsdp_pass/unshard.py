@@ -18,7 +18,6 @@ saving the gathered parameters.
 
 from __future__ import annotations
 
-from math import prod
 
 import thunder.torch as ltorch
 from thunder.core.symbol import Symbol, bsym_header

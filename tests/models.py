@@ -6,7 +6,6 @@ Sizes are chosen to be small (Thunder compiles slowly on CPU) and awkward: odd r
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass import FSDP, FSDPError, fake_process_group
-from fsdp_pass_executors import executors_for
 from tests import models, rank_cases
 
 

@@ -2,7 +2,6 @@
 
 import pytest
 import thunder
-import torch
 
 from fsdp_pass import FSDP, fake_process_group
 from fsdp_pass_executors import executors_for

@@ -1,0 +1,69 @@
+"""The pass, step by step, on a functional trace in one process (what the notebooks do).
+
+    with fake_process_group(8) as group:
+        prologue, trace = functional_trace(model, x)                   # 1. Thunder's functional forward
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3")  # 2-3. shard + unshards
+        forward, backward = derive_backward_and_lower(sharded)          # 4-5. autodiff + lowering
+
+No module is changed and nothing is communicated: the traces show what every rank would run.
+"""
+
+from __future__ import annotations
+
+import thunder
+import torch.distributed as dist
+
+from fsdp_pass.errors import check
+from fsdp_pass.layout import ShardLayout
+from fsdp_pass.passes.insert_unshards import insert_unshards
+from fsdp_pass.passes.parameter_args import parameter_names_of_args
+from fsdp_pass.plan import ParamSpec, ShardingPlan, UnitPlan, parse_strategy
+from fsdp_pass.units import plan_units
+
+
+def functional_trace(model, *args, **kwargs):
+    """Thunder's prologue and functional forward trace of ``model(*args)`` (the trace transforms receive)."""
+    jm = thunder.jit(model)
+    cache_entry, _, _ = thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
+    traces = cache_entry.computation_traces
+    (trace,) = [t for t in traces if "Remove context manager prims" in str(t.get_provenance())]
+    return cache_entry.prologue_traces[0], trace
+
+
+def shard_functional_trace(prologue, computation, group, strategy="zero2", units="per_parameter"):
+    """Shard the parameter arguments of ``computation`` and insert the unit gathers: (trace, UnitPlan)."""
+    check(
+        dist.is_initialized(),
+        "shard_functional_trace needs a process group (its size is the world size the trace is built for).",
+        "Wrap the call in `with fsdp_pass.fake_process_group(world_size) as group:`.",
+    )
+    arg_params = parameter_names_of_args(prologue, computation)
+    world_size = group.size()
+    specs = [
+        ParamSpec(arg_params[a.name], arg_params[a.name], ShardLayout(tuple(a.shape), world_size), thunder.dtypes.to_torch_dtype(a.dtype), a.requires_grad)
+        for a in computation.args
+        if getattr(a, "name", None) in arg_params
+    ]
+    sharding = ShardingPlan(world_size, dist.get_rank(group), parse_strategy(strategy), tuple(specs))
+    plan: UnitPlan = plan_units(computation, arg_params, sharding, units)
+    return insert_unshards(computation, plan, arg_params, group), plan
+
+
+def derive_backward_and_lower(trace, executors=None):
+    """Thunder's autodiff and lowering, as thunder.jit runs them: (forward, backward) executable traces."""
+    from thunder.core.transforms import dce
+    from thunder.executors.passes import del_last_used
+    from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
+
+    from fsdp_pass_executors import executors_for
+
+    from thunder.core.compile_data import compile_data_and_stats
+
+    executors = executors if executors is not None else executors_for("cpu")
+    # Thunder's passes read the executor list from the compile data in scope: give them one
+    compile_data = thunder.compile_data(thunder.jit(lambda: None, executors=executors))
+    with compile_data_and_stats(compile_data, None):
+        joint = grad_transform_on_trace(dce(trace))
+        lowered = thunder.transform_for_execution(joint, executors_list=executors)[-1]
+        forward, backward = split_into_forward_and_backward(lowered)
+    return del_last_used(forward), del_last_used(backward, clear_mutable_collections=True)
