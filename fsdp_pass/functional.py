@@ -39,11 +39,12 @@ def shard_functional_trace(prologue, computation, group, strategy="zero2", units
     )
     arg_params = parameter_names_of_args(prologue, computation)
     world_size = group.size()
-    specs = [
-        ParamSpec(arg_params[a.name], arg_params[a.name], ShardLayout(tuple(a.shape), world_size), thunder.dtypes.to_torch_dtype(a.dtype), a.requires_grad)
-        for a in computation.args
-        if getattr(a, "name", None) in arg_params
-    ]
+    specs = []
+    for a in computation.args:
+        if getattr(a, "name", None) in arg_params:
+            name = arg_params[a.name]
+            layout = ShardLayout(tuple(a.shape), world_size)
+            specs.append(ParamSpec(name, name, layout, thunder.dtypes.to_torch_dtype(a.dtype), a.requires_grad))
     sharding = ShardingPlan(world_size, dist.get_rank(group), parse_strategy(strategy), tuple(specs))
     plan: UnitPlan = plan_units(computation, arg_params, sharding, units)
     return insert_unshards(computation, plan, arg_params, group), plan
@@ -51,13 +52,12 @@ def shard_functional_trace(prologue, computation, group, strategy="zero2", units
 
 def derive_backward_and_lower(trace, executors=None):
     """Thunder's autodiff and lowering, as thunder.jit runs them: (forward, backward) executable traces."""
+    from thunder.core.compile_data import compile_data_and_stats
     from thunder.core.transforms import dce
     from thunder.executors.passes import del_last_used
     from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
     from fsdp_pass_executors import executors_for
-
-    from thunder.core.compile_data import compile_data_and_stats
 
     executors = executors if executors is not None else executors_for("cpu")
     # Thunder's passes read the executor list from the compile data in scope: give them one

@@ -49,6 +49,15 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def collective_label(unit_name: str, kind: str, n_params: int, shard_bytes: int, world_size: int, padding: int) -> str:
+    """The header every inserted collective carries in the printed traces."""
+    return (
+        f"[fsdp] unit {unit_name!r} {kind}: {n_params} param(s), "
+        f"{human_bytes(shard_bytes)}/rank x {world_size} = {human_bytes(shard_bytes * world_size)}"
+        + (f", {padding:,} padding elements" if padding else "")
+    )
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter name of the module and the sharded tensor that backs it."""

@@ -66,6 +66,8 @@ class FSDP(Transform):
         self.group = None
         self.sharding = None
         self.unit_plan = None  # the plan of the latest compile
+        self._param_of_arg: dict[str, str] = {}  # latest compile: argument name -> parameter name
+        self._arg_order: list[str | None] = []  # latest compile: argument names, in order
 
     def __repr__(self) -> str:
         return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.units!r})"

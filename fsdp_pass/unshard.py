@@ -18,13 +18,13 @@ saving the gathered parameters.
 
 from __future__ import annotations
 
-
 import thunder.torch as ltorch
 from thunder.core.symbol import Symbol, bsym_header
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
 
 from fsdp_pass.layout import ShardLayout
+from fsdp_pass.plan import collective_label
 
 
 def _layouts(full_shapes, world_size):
@@ -39,24 +39,29 @@ def _flat_rank_major(tensors, layouts, world_size):
     return ltorch.reshape(ltorch.cat(columns, 1), (-1,))
 
 
+def _drop_padding(padded, lay: ShardLayout):
+    """A parameter's ``padded_rows`` rows (a flat buffer or a column of one) -> the parameter."""
+    padded = ltorch.reshape(padded, (lay.padded_rows, *lay.shape[1:]))
+    full = padded if lay.padding_rows == 0 else ltorch.getitem(padded, slice(0, lay.rows))
+    return full if lay.shape else ltorch.reshape(full, ())
+
+
 def _cut_rank_major(flat, layouts, world_size):
     """Inverse of :func:`_flat_rank_major` followed by dropping the padding rows."""
-    out = []
     if len(layouts) == 1:
-        (lay,) = layouts
-        padded = ltorch.reshape(flat, (lay.padded_rows, *lay.shape[1:]) if lay.shape else (lay.padded_rows,))
-        full = padded if lay.padding_rows == 0 else ltorch.getitem(padded, slice(0, lay.rows))
-        return [ltorch.reshape(full, lay.shape) if not lay.shape else full]
-    per_rank = sum(lay.shard_numel for lay in layouts)
-    matrix = ltorch.reshape(flat, (world_size, per_rank))
-    offset = 0
+        return [_drop_padding(flat, layouts[0])]
+    matrix = ltorch.reshape(flat, (world_size, sum(lay.shard_numel for lay in layouts)))
+    out, offset = [], 0
     for lay in layouts:
-        column = ltorch.getitem(matrix, (slice(None), slice(offset, offset + lay.shard_numel)))
+        out.append(_drop_padding(ltorch.getitem(matrix, (slice(None), slice(offset, offset + lay.shard_numel))), lay))
         offset += lay.shard_numel
-        padded = ltorch.reshape(column, (lay.padded_rows, *lay.shape[1:]) if lay.shape else (lay.padded_rows,))
-        full = padded if lay.padding_rows == 0 else ltorch.getitem(padded, slice(0, lay.rows))
-        out.append(ltorch.reshape(full, lay.shape))
     return out
+
+
+def _pack_flat(shards):
+    """This rank's shards, flattened and concatenated: the buffer its all-gather sends."""
+    flat = [ltorch.reshape(s, (-1,)) for s in shards]
+    return flat[0] if len(flat) == 1 else ltorch.cat(flat, 0)
 
 
 def _cut_flat(flat, layouts):
@@ -70,18 +75,17 @@ def _cut_flat(flat, layouts):
     return out
 
 
-def _describe(unit_name, what, layouts, itemsize, world_size):
-    shard = sum(lay.shard_numel for lay in layouts) * itemsize
-    return f"fsdp unit {unit_name!r}: {what} {len(layouts)} param(s), {shard:,} B/rank x {world_size} ranks"
+def _describe(unit_name, kind, layouts, itemsize, world_size):
+    shard_numel = sum(lay.shard_numel for lay in layouts)
+    padding = sum(lay.padding_numel for lay in layouts)
+    return collective_label(unit_name, kind, len(layouts), shard_numel * itemsize, world_size, padding)
 
 
 def _gather(shards, group, unit_name, full_shapes):
     world_size = group.size()
     layouts = _layouts(full_shapes, world_size)
-    flat = ltorch.cat([ltorch.reshape(s, (-1,)) for s in shards], 0) if len(shards) > 1 else ltorch.reshape(shards[0], (-1,))
-    itemsize = shards[0].dtype.bytes
-    with bsym_header(_describe(unit_name, "all-gather", layouts, itemsize, world_size)):
-        gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
+    with bsym_header(_describe(unit_name, "all-gather", layouts, shards[0].dtype.bytes, world_size)):
+        gathered = dist_prims.wait(dist_prims.all_gather(_pack_flat(shards), group, True, None))
     return _cut_rank_major(gathered, layouts, world_size)
 
 
@@ -109,7 +113,7 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes):
         padded.append(rows)
     flat = _flat_rank_major(padded, layouts, world_size)
     flat = ltorch.true_divide(flat, world_size)  # pre-divide: sum of averages cannot overflow
-    with bsym_header(_describe(unit_name, "reduce-scatter grads of", layouts, grads[0].dtype.bytes, world_size)):
+    with bsym_header(_describe(unit_name, "reduce-scatter grads", layouts, grads[0].dtype.bytes, world_size)):
         local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
     return _cut_flat(local, layouts)
 

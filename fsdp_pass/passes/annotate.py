@@ -17,7 +17,7 @@ from thunder.core import utils
 from thunder.core.proxies import Proxy
 from thunder.core.trace import TraceProvenance, from_trace
 
-from fsdp_pass.plan import UnitPlan, human_bytes
+from fsdp_pass.plan import UnitPlan, collective_label
 from fsdp_pass.predicates import is_all_gather, is_reduce_scatter, is_return, is_wait
 
 
@@ -33,7 +33,7 @@ def _roots(proxy, producers, stop: set[str]) -> set[str]:
             roots.add(p.name)
             continue
         bsym = producers.get(p, None)
-        args = [a for a in bsym.flat_proxy_args] if bsym is not None else []
+        args = list(bsym.flat_proxy_args) if bsym is not None else []
         if not args:
             roots.add(p.name)
         stack.extend(args)
@@ -60,18 +60,14 @@ def _returned_positions(proxy, consumers, return_values) -> set[int]:
 
 
 def _label(plan: UnitPlan, unit, kind: str) -> str:
-    _, shard_numel, pad = plan.unit_numel(unit)
-    b = plan.unit_itemsize(unit)
-    n = plan.sharding.world_size
-    return (
-        f"[fsdp] unit {unit.name!r} {kind}: {len(unit.params)} param(s), "
-        f"{human_bytes(shard_numel * b)}/rank x {n} = {human_bytes(shard_numel * b * n)}"
-        + (f", {pad:,} padding elements" if pad else "")
-    )
+    _, shard_numel, padding = plan.unit_numel(unit)
+    shard_bytes = shard_numel * plan.unit_itemsize(unit)
+    return collective_label(unit.name, kind, len(unit.params), shard_bytes, plan.sharding.world_size, padding)
 
 
 def annotate_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], arg_order: list[str]):
     unit_of_param = {p: u for u in plan.units for p in u.params}
+    shards = set(param_of_arg)
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     (ret,) = [b for b in trace.bound_symbols if is_return(b)]
     returned = ret.args[0] if isinstance(ret.args[0], (tuple, list)) else ()
@@ -80,7 +76,7 @@ def annotate_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], ar
     for bsym in trace.bound_symbols:
         units = []
         if is_all_gather(bsym):
-            params = [param_of_arg[n] for n in _roots(bsym.flat_proxy_args[0], producers, set(param_of_arg)) if n in param_of_arg]
+            params = [param_of_arg[n] for n in _roots(bsym.flat_proxy_args[0], producers, shards) if n in shards]
             units = [unit_of_param[p] for p in params if p in unit_of_param]
             kind = "all-gather"
         elif is_reduce_scatter(bsym):
