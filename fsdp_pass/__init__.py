@@ -5,9 +5,14 @@ from fsdp_pass.layout import ShardLayout
 from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
 from fsdp_pass.state_dict import full_state_dict, load_full_state_dict
 from fsdp_pass.transform import FSDP
+from fsdp_pass.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.fake_group import fake_process_group
 
 __all__ = [
+    "Blocks",
+    "BySize",
+    "Groups",
+    "PerParameter",
     "FSDP",
     "FSDPError",
     "ShardLayout",

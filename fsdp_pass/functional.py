@@ -2,7 +2,7 @@
 
     with fake_process_group(8) as group:
         prologue, trace = functional_trace(model, x)                   # 1. Thunder's functional forward
-        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3")  # 2-3. shard + unshards
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model)  # 2-3.
         forward, backward = derive_backward_and_lower(sharded)          # 4-5. autodiff + lowering
 
 No module is changed and nothing is communicated: the traces show what every rank would run.
@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fsdp_pass.errors import check
 from fsdp_pass.layout import ShardLayout
+from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.parameter_args import parameter_names_of_args
 from fsdp_pass.plan import ParamSpec, ShardingPlan, UnitPlan, parse_strategy
@@ -30,8 +31,14 @@ def functional_trace(model, *args, **kwargs):
     return cache_entry.prologue_traces[0], trace
 
 
-def shard_functional_trace(prologue, computation, group, strategy="zero2", units="per_parameter"):
-    """Shard the parameter arguments of ``computation`` and insert the unit gathers: (trace, UnitPlan)."""
+def shard_functional_trace(
+    prologue, computation, group, strategy="zero2", units="blocks", model=None, reshard_after_forward=None
+):
+    """Shard the parameter arguments of ``computation`` and insert the unit gathers: (trace, UnitPlan).
+
+    ``model`` (the module the trace came from) lets the unit policy see the module tree; without it
+    every parameter hangs off the root.
+    """
     check(
         dist.is_initialized(),
         "shard_functional_trace needs a process group (its size is the world size the trace is built for).",
@@ -46,7 +53,8 @@ def shard_functional_trace(prologue, computation, group, strategy="zero2", units
             layout = ShardLayout(tuple(a.shape), world_size)
             specs.append(ParamSpec(name, name, layout, thunder.dtypes.to_torch_dtype(a.dtype), a.requires_grad))
     sharding = ShardingPlan(world_size, dist.get_rank(group), parse_strategy(strategy), tuple(specs))
-    plan: UnitPlan = plan_units(computation, arg_params, sharding, units)
+    tree = ModuleTree.of(model) if model is not None else None
+    plan: UnitPlan = plan_units(computation, arg_params, sharding, units, tree, reshard_after_forward)
     return insert_unshards(computation, plan, arg_params, group), plan
 
 

@@ -54,6 +54,37 @@ def is_unpack_trivial(bsym) -> bool:
     return bsym.sym is prims.unpack_trivial
 
 
+# ops whose result shares (or only re-lays out) its input's memory, as Thunder's core and torch executor name them
+_VIEW_LIKE = frozenset(
+    {
+        prims.PrimIDs.RESHAPE,
+        prims.PrimIDs.SLICE,
+        prims.PrimIDs.BROADCAST_IN_DIM,
+        prims.PrimIDs.TRANSPOSE,
+        prims.PrimIDs.SQUEEZE,
+        "reshape",
+        "getitem",
+        "__getitem__",
+        "split",
+        "expand",
+        "unsqueeze",
+        "squeeze",
+        "permute",
+        "transpose",
+        "view",
+        "torch_prims_reshape_impl",
+        "torch_slice_prim_impl",
+        "torch_broadcast_in_dim_prim_impl",
+        "torch_transpose_prim_impl",
+    }
+)
+
+
+def is_view_like(bsym) -> bool:
+    """A view or re-layout of its input: what cuts gathered parameters out of an all-gather's buffer."""
+    return _id(bsym) in _VIEW_LIKE
+
+
 def collectives(trace) -> list:
     """The collective bound symbols of ``trace`` in program order (top level only)."""
     return [b for b in trace.bound_symbols if is_collective(b)]

@@ -19,6 +19,7 @@ from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
 
 from fsdp_pass.layout import shard_tensor
+from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, shard_module
 from fsdp_pass.passes.annotate import annotate_collectives
 from fsdp_pass.passes.insert_unshards import insert_unshards
@@ -26,6 +27,7 @@ from fsdp_pass.passes.parameter_args import parameter_names_of_args
 from fsdp_pass.passes.shard_prologue import shard_prologue
 from fsdp_pass.plan import Strategy, parse_strategy
 from fsdp_pass.state_dict import gather_full
+from fsdp_pass.unit_policies import resolve_policy
 from fsdp_pass.units import plan_units
 
 
@@ -39,7 +41,11 @@ class FSDP(Transform):
         device: where shards live; default: the model's device, else ``cuda:LOCAL_RANK``.
         broadcast_from: a rank whose initial parameters and buffers every rank takes; None keeps
             each rank's own (then ranks must have initialized identically, e.g. the same seed).
-        units: the unit policy (see :mod:`fsdp_pass.units`).
+        units: the unit policy (see :mod:`fsdp_pass.unit_policies`): ``"blocks"`` (one unit per
+            repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
+            list of modules / classes / names (explicit units), or ``BySize(max_bytes)``.
+        reshard_after_forward: None (ZeRO-3: every unit but the last one gathered; ZeRO-2: none),
+            True, False, or a function ``Unit -> bool`` deciding per unit.
         release_original_parameters: replace the original module's full tensors with meta tensors
             once sharded, so each rank holds 1/N of the parameters.
         verify_ranks: at each compile, check that every rank issues the same collectives.
@@ -52,7 +58,8 @@ class FSDP(Transform):
         process_group=None,
         device=None,
         broadcast_from: int | None = None,
-        units: str = "per_parameter",
+        units="blocks",
+        reshard_after_forward=None,
         release_original_parameters: bool = True,
         verify_ranks: bool = True,
     ):
@@ -60,21 +67,24 @@ class FSDP(Transform):
         self.process_group = process_group
         self.device = device
         self.broadcast_from = broadcast_from
-        self.units = units
+        self.units = resolve_policy(units)
+        self.reshard_after_forward = reshard_after_forward
         self.release_original_parameters = release_original_parameters
         self.verify_ranks = verify_ranks
         self.group = None
         self.sharding = None
+        self.tree = None  # the module tree the unit policy reads
         self.unit_plan = None  # the plan of the latest compile
         self._param_of_arg: dict[str, str] = {}  # latest compile: argument name -> parameter name
         self._arg_order: list[str | None] = []  # latest compile: argument names, in order
 
     def __repr__(self) -> str:
-        return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.units!r})"
+        return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.units.name!r})"
 
     def transform_module(self, model) -> None:
         self.group = check_process_group(self.process_group)
         check_not_sharded_yet(model)
+        self.tree = ModuleTree.of(model._model)
         self.sharding, self.device = shard_module(
             model, self.group, self.strategy, self.device, self.broadcast_from, self.release_original_parameters
         )
@@ -84,7 +94,9 @@ class FSDP(Transform):
         arg_params = parameter_names_of_args(prologue_trace, computation_trace)
         self._param_of_arg = arg_params
         self._arg_order = [getattr(a, "name", None) for a in computation_trace.args]
-        self.unit_plan = plan_units(computation_trace, arg_params, self.sharding, self.units)
+        self.unit_plan = plan_units(
+            computation_trace, arg_params, self.sharding, self.units, self.tree, self.reshard_after_forward
+        )
         computation_trace = insert_unshards(computation_trace, self.unit_plan, arg_params, self.group)
         prologue_trace = shard_prologue(prologue_trace, self.sharding, self.device)
         return prologue_trace, computation_trace, epilogue_trace

@@ -1,46 +1,99 @@
-"""Unit policies: which parameter uses are gathered together, decided from the forward trace.
+"""Plan the units of one forward trace: ``plan_units(trace, ...) -> UnitPlan``, before any rewriting.
 
-A policy sees the parameter uses in trace order and returns groups of parameter names. The
-plan then records each unit's first and last use and whether it reshards after forward.
+1. Find where the trace first and last reads each parameter.
+2. Ask the unit policy (:mod:`fsdp_pass.unit_policies`) for groups of parameter names.
+3. Split a group that mixes dtypes into one unit per dtype (one flat buffer needs one dtype).
+4. Decide per unit whether it reshards after forward: ZeRO-2 never; ZeRO-3 every unit except the
+   last one the forward gathers (the backward starts with it, so freeing it would only mean
+   gathering it again at once); ``reshard_after_forward`` overrides this.
+5. Order units by first use; that is the order of their all-gathers.
 """
 
 from __future__ import annotations
 
-from fsdp_pass.errors import fail
+from typing import Callable
+
+from fsdp_pass.errors import check
+from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.passes.parameter_args import first_and_last_use
 from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
+from fsdp_pass.unit_policies import PolicyInput, resolve_policy
 
-POLICIES = ("per_parameter",)
-
-
-def _per_parameter(ordered_params: list[str]) -> list[tuple[str, list[str]]]:
-    return [(p, [p]) for p in ordered_params]
+_DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
 
-def plan_units(computation, arg_params: dict[str, str], sharding: ShardingPlan, policy="per_parameter") -> UnitPlan:
-    """Group the parameters the forward trace reads into units, in order of first use."""
-    uses = first_and_last_use(computation, set(arg_params))
-    ordered_args = sorted(uses, key=lambda a: uses[a][0])
-    ordered_params = [arg_params[a] for a in ordered_args]
-    use_of_param = {arg_params[a]: uses[a] for a in ordered_args}
+def _short(dtype) -> str:
+    return _DTYPE_SHORT.get(str(dtype), str(dtype).replace("torch.", ""))
 
-    if policy == "per_parameter":
-        groups = _per_parameter(ordered_params)
-    else:
-        fail(f"Unknown unit policy {policy!r}.", f"Use one of {POLICIES}.")
 
-    units = []
-    for name, members in groups:
-        first = min(use_of_param[p][0] for p in members)
-        last = max(use_of_param[p][1] for p in members)
-        units.append(
-            Unit(
-                name=name,
-                params=tuple(members),
-                reshard_after_forward=sharding.strategy is Strategy.ZERO3,
-                first_use=first,
-                last_use=last,
-            )
+def _split_by_dtype(groups, sharding: ShardingPlan, notes: list[str]):
+    out = []
+    for name, params in groups:
+        by_dtype: dict = {}
+        for p in params:
+            by_dtype.setdefault(sharding.param(p).dtype, []).append(p)
+        if len(by_dtype) == 1:
+            out.append((name, tuple(params)))
+            continue
+        notes.append(
+            f"unit {name!r} mixes dtypes ({', '.join(_short(d) for d in by_dtype)}): split into one unit per dtype"
         )
+        out.extend((f"{name}[{_short(d)}]", tuple(ps)) for d, ps in by_dtype.items())
+    return out
+
+
+def _reshard(units: list[Unit], strategy: Strategy, override, notes: list[str]) -> list[Unit]:
+    if override is None:
+        keep_last = strategy is Strategy.ZERO3 and len(units) > 0
+        flags = [strategy is Strategy.ZERO3 and not (keep_last and i == len(units) - 1) for i in range(len(units))]
+        if keep_last:
+            notes.append(f"unit {units[-1].name!r} stays gathered after forward: the backward needs it first")
+    elif isinstance(override, bool):
+        flags = [override] * len(units)
+    else:
+        check(callable(override), f"reshard_after_forward={override!r} is not a bool or a function of a unit.",
+              "Pass None (the strategy decides), True, False, or a function Unit -> bool.")
+        flags = [bool(override(u)) for u in units]
+    return [Unit(u.name, u.params, f, u.first_use, u.last_use) for u, f in zip(units, flags)]
+
+
+def plan_units(
+    computation,
+    arg_params: dict[str, str],
+    sharding: ShardingPlan,
+    policy="blocks",
+    tree: ModuleTree | None = None,
+    reshard_after_forward: bool | Callable[[Unit], bool] | None = None,
+) -> UnitPlan:
+    """Group the parameters the forward trace reads into units, in order of first use."""
+    policy = resolve_policy(policy)
+    uses_of_arg = first_and_last_use(computation, set(arg_params))
+    uses = {arg_params[a]: u for a, u in uses_of_arg.items()}
+    order = tuple(sorted(uses, key=lambda p: uses[p][0]))
+    tree = tree if tree is not None else ModuleTree.flat(p.name for p in sharding.params)
+    inp = PolicyInput(
+        tree=tree,
+        order=order,
+        first_use={p: uses[p][0] for p in order},
+        nbytes={p: sharding.param(p).layout.numel * sharding.param(p).itemsize for p in order},
+    )
+    notes: list[str] = []
+    groups = policy.groups(inp)
+
+    placed = [p for _, ps in groups for p in ps]
+    check(sorted(placed) == sorted(order),
+          f"Unit policy {type(policy).__name__} did not place every used parameter exactly once.",
+          "A custom policy's groups() must return each parameter of PolicyInput.order in one group.")
+    unused = [s.name for s in sharding.params if s.name not in uses]
+    if unused:
+        notes.append(f"{len(unused)} parameter(s) not read by this forward, never gathered: {', '.join(unused[:4])}"
+                     + (", ..." if len(unused) > 4 else ""))
+
+    units = [
+        Unit(name, params, False, min(uses[p][0] for p in params), max(uses[p][1] for p in params))
+        for name, params in _split_by_dtype(groups, sharding, notes)
+    ]
     units.sort(key=lambda u: u.first_use)
-    return UnitPlan(sharding=sharding, units=tuple(units), policy=policy)
+    units = _reshard(units, sharding.strategy, reshard_after_forward, notes)
+    return UnitPlan(sharding=sharding, units=tuple(units), policy=getattr(policy, "name", type(policy).__name__),
+                    notes=tuple(notes))

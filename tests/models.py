@@ -174,6 +174,15 @@ MODELS = {
 }
 LANGUAGE_MODELS = {"gpt2_tied", "llama_gqa"}
 
+# an explicit unit of modules far apart in the program, per model (names, so ranks can be sent them)
+NON_ADJACENT_UNITS = {
+    "mlp": [["fc1", "head"]],
+    "odd_shapes": [["a", "temperature"]],
+    "gpt2_tied": [["wpe", "ln_f"], "blocks.*.attn"],  # plus a glob: each block's attention its own unit
+    "llama_gqa": [["embed", "lm_head"]],  # the "root unit" FSDP1 would build, asked for on purpose
+    "frozen": [["fc1", "head"]],  # a frozen and a trainable module in one unit
+}
+
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)

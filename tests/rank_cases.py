@@ -81,6 +81,7 @@ def parity(model_name: str, strategy: str, steps: int = 5, per_rank_batch: int =
         "frozen_grads_present": any(frozen_grads),
         "shard_numel": sum(p.numel() for p in jm.parameters()),
         "full_numel": sum(p.numel() for p in reference.parameters()),
+        "unit_names": [u.name for u in fsdp.unit_plan.units],
     }
 
 

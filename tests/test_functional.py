@@ -11,17 +11,24 @@ from tests.trace_facts import every_collective_waited_once, gathers, input_numel
 @pytest.mark.parametrize("world_size", [3, 64])
 def test_functional_steps_shard_gather_and_reduce(world_size):
     x, _ = models.batch("mlp", 3, 0)
-    prologue, trace = functional_trace(models.MLP(), x)
+    model = models.MLP()
+    prologue, trace = functional_trace(model, x)
     with fake_process_group(world_size) as group:
-        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3")
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model)
         forward, backward = derive_backward_and_lower(sharded)
     rows = {"fc1.weight": (32, 16), "fc1.bias": (32, 1), "fc2.weight": (16, 32), "fc2.bias": (16, 1),
             "head.weight": (4, 16), "head.bias": (4, 1)}
     shard = {n: -(-r // world_size) * c for n, (r, c) in rows.items()}
-    assert [u.name for u in plan.units] == list(rows)
-    assert input_numels(gathers(forward)) == list(shard.values())
-    assert sorted(input_numels(reduce_scatters(backward))) == sorted(world_size * s for s in shard.values())
-    assert input_numels(gathers(backward)) == [shard["head.weight"], shard["fc2.weight"]]  # zero3 re-gathers
+    # no repeated blocks: one unit per top-level child, each gathered with one collective
+    unit_shard = {m: shard[f"{m}.weight"] + shard[f"{m}.bias"] for m in ("fc1", "fc2", "head")}
+    assert [u.name for u in plan.units] == list(unit_shard)
+    assert [u.params for u in plan.units] == [(f"{m}.weight", f"{m}.bias") for m in unit_shard]
+    assert input_numels(gathers(forward)) == list(unit_shard.values())
+    assert sorted(input_numels(reduce_scatters(backward))) == sorted(world_size * s for s in unit_shard.values())
+    # zero3: the head stays gathered (the backward starts with it); fc2 is gathered again; fc1 is not
+    # needed by the backward (it only multiplies the input)
+    assert [u.reshard_after_forward for u in plan.units] == [True, True, False]
+    assert input_numels(gathers(backward)) == [unit_shard["fc2"]]
     assert every_collective_waited_once(forward) and every_collective_waited_once(backward)
     # the sharded arguments carry the shard shapes
     args = {a.name: tuple(a.shape) for a in sharded.args}

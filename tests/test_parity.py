@@ -8,16 +8,12 @@ softmax ignores) move by noise in both runs. The loss at every step checks the t
 import pytest
 
 from tests import rank_cases
-from tests.models import MODELS
+from tests.models import MODELS, NON_ADJACENT_UNITS
 
 TOL = 1e-5  # relative, float32
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-@pytest.mark.parametrize("model_name", sorted(MODELS))
-def test_parity(ranks, model_name, strategy, world_size):
-    results = ranks(world_size).run(rank_cases.parity, model_name, strategy)
+def _check(results, world_size):
     r = results[0]
     assert r["loss_rel_err"] < TOL, r
     assert r["grad_rel_err"] < TOL, r
@@ -27,6 +23,27 @@ def test_parity(ranks, model_name, strategy, world_size):
     assert all(x["losses"] == r["losses"] for x in results)
     for x in results:
         assert x["shard_numel"] <= x["full_numel"] / world_size + 64
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_parity_default_units(ranks, model_name, strategy, world_size):
+    _check(ranks(world_size).run(rank_cases.parity, model_name, strategy), world_size)
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_parity_explicit_non_adjacent_unit(ranks, model_name, strategy):
+    units = NON_ADJACENT_UNITS[model_name]
+    results = ranks(2).run(rank_cases.parity, model_name, strategy, units=units, reshard_after_forward=True)
+    _check(results, 2)
+    assert "+".join(units[0]) in results[0]["unit_names"]  # the explicit unit was built as asked
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_parity_per_parameter_units(ranks, model_name):
+    _check(ranks(2).run(rank_cases.parity, model_name, "zero3", units="per_parameter"), 2)
 
 
 def test_parity_world_size_1(ranks):
