@@ -1,0 +1,210 @@
+"""The systems the benchmark compares, as data: each builds a :class:`Trainer` from a fresh model.
+
+A builder takes the freshly built model (same seed on every rank, so every rank starts from the same
+weights) and returns a :class:`Trainer` whose ``.step(idx, targets)`` runs forward, loss, backward,
+``AdamW(lr=1e-3).step()`` and ``zero_grad()``, and returns the loss as a float.
+
+Systems:
+  eager          plain module, no communication (each rank trains alone: a reference row)
+  ddp            torch DistributedDataParallel on CPU
+  fsdp2          torch ``fully_shard`` on every decoder layer, then the root (default: reshard after
+                 forward, i.e. ZeRO-3-like); ``fsdp2 zero2`` keeps them gathered
+                 (``reshard_after_forward=False``)
+  thunder_fsdp   Thunder 0.2.6's own FSDP transform (``thunder.distributed.transforms.fsdp_v2``)
+  ours           ``fsdp_pass.FSDP(strategy, units=...)``; configurations in :data:`OURS_CONFIGS`
+
+To add a column to the table, give a system an ``extra_stats(trainer) -> dict``: its keys become
+columns (``peak unsharded MB`` is always shown; "—" where no hook fills it). Thunder-based trainers
+expose ``trainer.module`` (the ThunderModule: ``thunder.last_traces(trainer.module)``,
+``thunder.last_backward_traces(trainer.module)``) and ``trainer.transform`` (the FSDP transform).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench.model import loss_fn
+
+LR = 1e-3
+
+# Columns filled by ``System.extra_stats``; always printed, "—" where a system has no value.
+EXTRA_COLUMNS = ("peak unsharded MB",)
+
+# (row name, strategy, units policy) for fsdp_pass.FSDP. Add a line to benchmark another policy.
+OURS_CONFIGS = [
+    ("ours zero2 per-param", "zero2", "per_parameter"),
+    ("ours zero3 per-param", "zero3", "per_parameter"),
+    ("ours zero2 blocks", "zero2", "blocks"),
+    ("ours zero3 blocks", "zero3", "blocks"),
+    ("ours zero3 by-size 1.7MB", "zero3", "by_size:1700000"),  # two decoder layers per unit
+]
+
+# (row name, FSDPType name, FSDPBucketingStrategy name) for Thunder's own FSDP.
+# Not listed: bucketing_strategy=BLOCK/LAYER. In lightning-thunder 0.2.6 nothing reads it (the
+# FSDPCommBucketing pass is not applied by the fsdp_v2 transform), so it issues the same 39 AG + 39 RS.
+THUNDER_FSDP_CONFIGS = [
+    ("thunder_fsdp zero2", "ZERO2", "NONE"),
+    ("thunder_fsdp zero3", "ZERO3", "NONE"),
+]
+THUNDER_ZERO3_NOTE = (
+    "thunder_fsdp zero3: in lightning-thunder 0.2.6 FSDPType only reaches the TransformerEngine executor; "
+    "the traces (and collectives) are those of zero2"
+)
+
+
+class Trainer:
+    """One system's training step on this rank."""
+
+    def __init__(self, module: nn.Module, *, transform=None, parameters=None):
+        self.module = module  # what is called: the wrapped module / ThunderModule
+        self.transform = transform  # the FSDP transform object, for Thunder-based systems
+        params = list(parameters if parameters is not None else module.parameters())
+        self.optimizer = torch.optim.AdamW(params, lr=LR)
+
+    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = loss_fn(self.module(idx), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    build: Callable[[nn.Module], Trainer]
+    sharding: str  # "none", "replicated", "zero2", "zero3": what the row is (not used for the floor)
+    extra_stats: Callable[[Trainer], dict] | None = None
+    note: str | None = None  # printed under the table
+
+
+def thunder_executors():
+    """The executors every Thunder-based row uses (the project's choice for CPU)."""
+    from fsdp_pass_executors import executors_for
+
+    return executors_for("cpu")
+
+
+# ----------------------------------------------------------------------------------------- builders
+def build_eager(model: nn.Module) -> Trainer:
+    return Trainer(model)
+
+
+def build_ddp(model: nn.Module) -> Trainer:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return Trainer(DistributedDataParallel(model))
+
+
+def _fsdp2(model: nn.Module, reshard_after_forward: bool) -> Trainer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    # the root keeps fully_shard's default (its parameters stay gathered from the end of the forward
+    # into the backward, which needs them first); passing True would gather them twice
+    root_kwargs = {} if reshard_after_forward else {"reshard_after_forward": False}
+    fully_shard(model, mesh=mesh, **root_kwargs)
+    return Trainer(model)
+
+
+def build_fsdp2(model: nn.Module) -> Trainer:
+    return _fsdp2(model, reshard_after_forward=True)
+
+
+def build_fsdp2_zero2(model: nn.Module) -> Trainer:
+    return _fsdp2(model, reshard_after_forward=False)
+
+
+def thunder_fsdp_builder(sharding: str, bucketing: str) -> Callable[[nn.Module], Trainer]:
+    def build(model: nn.Module) -> Trainer:
+        import thunder
+        from thunder.distributed import FSDPBucketingStrategy, FSDPType
+        from thunder.distributed.transforms.fsdp_v2 import FSDPTransform
+
+        transform = FSDPTransform(
+            device=torch.device("cpu"),  # the default is cuda:LOCAL_RANK
+            sharding_strategy=FSDPType[sharding],
+            bucketing_strategy=FSDPBucketingStrategy[bucketing],
+            release_original_parameters=True,
+        )
+        jm = thunder.jit(model, transforms=[transform], executors=thunder_executors())
+        return Trainer(jm, transform=transform)
+
+    return build
+
+
+def ours_builder(strategy: str, units: str) -> Callable[[nn.Module], Trainer]:
+    def build(model: nn.Module) -> Trainer:
+        import thunder
+
+        from fsdp_pass import FSDP
+
+        from fsdp_pass import BySize
+
+        policy = BySize(int(units.split(":")[1])) if units.startswith("by_size:") else units
+        transform = FSDP(strategy, units=policy)
+        jm = thunder.jit(model, transforms=[transform], executors=thunder_executors())
+        return Trainer(jm, transform=transform)
+
+    return build
+
+
+def trace_stats(trainer: Trainer) -> dict:
+    """Peak gathered-parameter memory read off the final traces (``fsdp_pass.trace_stats``)."""
+    import thunder
+
+    from fsdp_pass.trace_stats import step_stats
+
+    fwd = thunder.last_traces(trainer.module)[-1]
+    bwd = thunder.last_backward_traces(trainer.module)[-1]
+    stats = step_stats(fwd, bwd, dist.get_world_size())
+    return {"peak unsharded MB": f"{stats.peak_gathered_bytes / 1e6:.3f}"}
+
+
+def full_model_stats(trainer: Trainer) -> dict:
+    """DDP keeps every parameter unsharded all the time."""
+    return {"peak unsharded MB": f"{sum(p.numel() * p.element_size() for p in trainer.module.parameters()) / 1e6:.3f}"}
+
+
+def all_systems() -> list[System]:
+    systems = [
+        System("eager", build_eager, "none", note="eager: no communication, each rank trains alone on its own batches"),
+        System("ddp", build_ddp, "replicated", extra_stats=full_model_stats),
+        System(
+            "fsdp2",
+            build_fsdp2,
+            "zero3",
+            note="fsdp2: fully_shard on each decoder layer, then the root; default resharding (ZeRO-3-like, "
+            "the root stays gathered into the backward)",
+        ),
+        System("fsdp2 zero2", build_fsdp2_zero2, "zero2", note="fsdp2 zero2: the same, reshard_after_forward=False"),
+    ]
+    for name, st, bucket in THUNDER_FSDP_CONFIGS:
+        note = THUNDER_ZERO3_NOTE if st == "ZERO3" else None
+        systems.append(System(name, thunder_fsdp_builder(st, bucket), st.lower(), extra_stats=trace_stats, note=note))
+    systems += [
+        System(name, ours_builder(st, units), st, extra_stats=trace_stats) for name, st, units in OURS_CONFIGS
+    ]
+    return systems
+
+
+def select(systems: list[System], only: str | None) -> list[System]:
+    """``only``: comma list; a token picks the system of that name, or every system whose name
+    starts with the token followed by a space (``ours`` picks all ``ours ...`` rows)."""
+    if not only:
+        return systems
+    tokens = [t.strip() for t in only.split(",") if t.strip()]
+    picked = [s for s in systems if any(s.name == t or s.name.startswith(t + " ") for t in tokens)]
+    unknown = [t for t in tokens if not any(s.name == t or s.name.startswith(t + " ") for s in systems)]
+    if unknown:
+        names = ", ".join(s.name for s in systems)
+        raise SystemExit(f"--only: unknown system(s) {unknown}; known: {names}")
+    return picked
