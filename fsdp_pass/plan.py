@@ -158,9 +158,9 @@ class UnitPlan:
         widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
         widths[1] = min(widths[1], 60)
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = [head, fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
+        lines = [head, fmt.format(*cols).rstrip(), fmt.format(*("-" * w for w in widths))]
         for r in rows:
             params = r[1] if len(r[1]) <= 60 else r[1][:57] + "..."
-            lines.append(fmt.format(r[0], params, *r[2:]))
+            lines.append(fmt.format(r[0], params, *r[2:]).rstrip())
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
