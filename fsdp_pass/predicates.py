@@ -54,17 +54,18 @@ def is_unpack_trivial(bsym) -> bool:
     return bsym.sym is prims.unpack_trivial
 
 
-# ops whose result shares (or only re-lays out) its input's memory, as Thunder's core and torch executor name them
-_VIEW_LIKE = frozenset(
-    {
-        prims.PrimIDs.RESHAPE,
-        prims.PrimIDs.SLICE,
+# shape ops, as Thunder's core and torch executor name them
+_GETITEM = frozenset({"getitem", "__getitem__"})
+_RESHAPE = frozenset({prims.PrimIDs.RESHAPE, "reshape", "torch_prims_reshape_impl"})
+_SLICE = _GETITEM | {prims.PrimIDs.SLICE, "torch_slice_prim_impl"}
+# ops whose result shares (or only re-lays out) its input's memory
+_VIEW_LIKE = (
+    _RESHAPE
+    | _SLICE
+    | {
         prims.PrimIDs.BROADCAST_IN_DIM,
         prims.PrimIDs.TRANSPOSE,
         prims.PrimIDs.SQUEEZE,
-        "reshape",
-        "getitem",
-        "__getitem__",
         "split",
         "expand",
         "unsqueeze",
@@ -72,12 +73,23 @@ _VIEW_LIKE = frozenset(
         "permute",
         "transpose",
         "view",
-        "torch_prims_reshape_impl",
-        "torch_slice_prim_impl",
         "torch_broadcast_in_dim_prim_impl",
         "torch_transpose_prim_impl",
     }
 )
+
+
+def is_getitem(bsym) -> bool:
+    return _id(bsym) in _GETITEM
+
+
+def is_reshape(bsym) -> bool:
+    return _id(bsym) in _RESHAPE
+
+
+def is_slice(bsym) -> bool:
+    """``getitem`` or the slice prim: a sub-range of its input."""
+    return _id(bsym) in _SLICE
 
 
 def is_view_like(bsym) -> bool:

@@ -18,7 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.predicates import is_all_gather, is_all_reduce, is_reduce_scatter, is_return, is_view_like, is_wait
+from fsdp_pass.predicates import (
+    is_all_gather,
+    is_all_reduce,
+    is_getitem,
+    is_reduce_scatter,
+    is_reshape,
+    is_return,
+    is_slice,
+    is_view_like,
+    is_wait,
+)
 
 
 @dataclass(frozen=True)
@@ -48,23 +58,11 @@ def collectives_of(trace, phase: str) -> list[Collective]:
 def _rows_only(bsym, shape) -> bool:
     """Does this slice keep whole rows (slices dim 0 at most), so a contiguous input stays contiguous?"""
     args = bsym.args
-    if _is_getitem(bsym):
+    if is_getitem(bsym):
         key = args[1] if isinstance(args[1], tuple) else (args[1],)
         return all(isinstance(k, slice) and k == slice(None) for k in key[1:])
     start, end = args[1], args[2]  # slice prim: start and end indices per dim
     return all(s == 0 and e == n for s, e, n in list(zip(start, end, shape))[1:])
-
-
-def _is_getitem(bsym) -> bool:
-    return str(bsym.sym.id) in ("__getitem__", "getitem")
-
-
-def _is_reshape(bsym) -> bool:
-    return str(bsym.sym.id) in ("reshape", "torch_prims_reshape_impl", "PrimIDs.RESHAPE")
-
-
-def _is_slice(bsym) -> bool:
-    return _is_getitem(bsym) or str(bsym.sym.id) in ("torch_slice_prim_impl", "PrimIDs.SLICE")
 
 
 def _gathered_live_bytes(trace, carried_in: dict[str, tuple[str, int]]):
@@ -102,10 +100,10 @@ def _gathered_live_bytes(trace, carried_in: dict[str, tuple[str, int]]):
             continue
         (src,) = tracked
         out = b.flat_proxy_outs
-        if _is_reshape(b) and not contiguous[src.name]:
+        if is_reshape(b) and not contiguous[src.name]:
             new_buffer(out[0], i)  # a copy: the parameter leaves the gathered buffer
             continue
-        keeps = is_wait(b) or _is_reshape(b) or (_is_slice(b) and _rows_only(b, src.shape))
+        keeps = is_wait(b) or is_reshape(b) or (is_slice(b) and _rows_only(b, src.shape))
         for o in out:
             buffer_of[o.name], contiguous[o.name] = buffer_of[src.name], contiguous[src.name] and keeps
     events = sorted([(start[k], size[k]) for k in size] + [(last[k] + 1, -size[k]) for k in size])

@@ -42,6 +42,13 @@ class PolicyInput:
     nbytes: dict[str, int]  # unsharded bytes of each parameter
 
 
+def _joined(names, counted: str = "") -> str:
+    """``a+b+c``, or ``a+b+...(N counted)`` for more than three names."""
+    if len(names) <= 3:
+        return "+".join(names)
+    return f"{'+'.join(names[:2])}+...({len(names)}{' ' + counted if counted else ''})"
+
+
 def _unit_name(tree: ModuleTree, params) -> str:
     """A readable name for a group of parameters: their modules, joined with '+'."""
     mods: list[str] = []
@@ -49,7 +56,7 @@ def _unit_name(tree: ModuleTree, params) -> str:
         m = tree.module_of_param(p) or p
         if m not in mods:
             mods.append(m)
-    return "+".join(mods) if len(mods) <= 3 else f"{'+'.join(mods[:2])}+...({len(mods)} modules)"
+    return _joined(mods, "modules")
 
 
 def _unique(groups: list[Group]) -> list[Group]:
@@ -137,7 +144,7 @@ class Groups:
         for item in self.items:
             for names in self._resolve(item, tree):
                 params = [p for n in names for p in (tree.params.get(n) or (n,))]
-                label = "+".join(names) if len(names) <= 3 else f"{'+'.join(names[:2])}+...({len(names)})"
+                label = _joined(names)
                 for p in params:
                     check(p not in owner, f"Parameter {p!r} is in two units: {owner.get(p)!r} and {label!r}.",
                           "Give every parameter at most one unit.")
