@@ -5,9 +5,10 @@ from __future__ import annotations
 from thunder.core import prims
 from thunder.distributed.prims import PrimIDs as DistIDs
 
-_ALL_GATHER_IMPL = "torch_all_gather_prim_impl"
-_REDUCE_SCATTER_IMPL = "torch_reduce_scatter_prim_impl"
-_WAIT_IMPL = "torch_wait_prim_impl"
+# lowered: Thunder's torch executor, and fsdp_pass_executors.collectives
+_ALL_GATHER_IMPL = ("torch_all_gather_prim_impl", "fsdp_all_gather")
+_REDUCE_SCATTER_IMPL = ("torch_reduce_scatter_prim_impl", "fsdp_reduce_scatter")
+_WAIT_IMPL = ("torch_wait_prim_impl", "fsdp_wait")
 
 
 def _id(bsym):
@@ -15,11 +16,11 @@ def _id(bsym):
 
 
 def is_all_gather(bsym) -> bool:
-    return _id(bsym) in (DistIDs.ALL_GATHER, _ALL_GATHER_IMPL)
+    return _id(bsym) in (DistIDs.ALL_GATHER, *_ALL_GATHER_IMPL)
 
 
 def is_reduce_scatter(bsym) -> bool:
-    return _id(bsym) in (DistIDs.REDUCE_SCATTER, _REDUCE_SCATTER_IMPL)
+    return _id(bsym) in (DistIDs.REDUCE_SCATTER, *_REDUCE_SCATTER_IMPL)
 
 
 def is_all_reduce(bsym) -> bool:
@@ -27,7 +28,7 @@ def is_all_reduce(bsym) -> bool:
 
 
 def is_wait(bsym) -> bool:
-    return _id(bsym) in (DistIDs.WAIT, _WAIT_IMPL)
+    return _id(bsym) in (DistIDs.WAIT, *_WAIT_IMPL)
 
 
 def is_collective(bsym) -> bool:
@@ -52,6 +53,26 @@ def is_return(bsym) -> bool:
 
 def is_unpack_trivial(bsym) -> bool:
     return bsym.sym is prims.unpack_trivial
+
+
+_BOOKKEEPING = frozenset(
+    {
+        prims.PrimIDs.DEL,
+        prims.PrimIDs.COMMENT,
+        prims.PrimIDs.RETURN,
+        prims.PrimIDs.UNPACK_TRIVIAL,
+        prims.PrimIDs.UNPACK_SEQUENCE,
+        prims.PrimIDs.UNPACK_KEY,
+        prims.PrimIDs.UNPACK_EMPTY_DICT,
+        "clear_mutable_collection",
+        "shallow_copy",
+    }
+)
+
+
+def is_bookkeeping(bsym) -> bool:
+    """Lines that manage names and lifetimes (unpacking, ``del``, return), not device work."""
+    return _id(bsym) in _BOOKKEEPING
 
 
 # shape ops, as Thunder's core and torch executor name them
@@ -95,6 +116,30 @@ def is_slice(bsym) -> bool:
 def is_view_like(bsym) -> bool:
     """A view or re-layout of its input: what cuts gathered parameters out of an all-gather's buffer."""
     return _id(bsym) in _VIEW_LIKE
+
+
+# what builds a collective's send buffer: the shapes above, and these copies and scalings
+_PACKING = frozenset(
+    {
+        "cat",
+        prims.PrimIDs.CAT,
+        "pad",
+        prims.PrimIDs.PAD,
+        "torch_pad_prim_impl",
+        "true_divide",
+        "div",
+        prims.PrimIDs.DIV,
+        "to",
+        "convert_element_type",
+        prims.PrimIDs.CONVERT_ELEMENT_TYPE,
+        "torch_convert_element_type_prim_impl",
+    }
+)
+
+
+def is_packing(bsym) -> bool:
+    """A shape op, concatenation, padding, division or cast: how a collective's flat buffer is built."""
+    return is_view_like(bsym) or _id(bsym) in _PACKING
 
 
 def collectives(trace) -> list:

@@ -1,0 +1,158 @@
+"""``fsdp_comm``: the Thunder executor that runs the pass's collectives on async work handles.
+
+It implements Thunder's distributed prims ``all_gather``, ``reduce_scatter`` and ``wait``; in a printed
+execution trace they read ``fsdp_all_gather(...)``, ``fsdp_reduce_scatter(...)``, ``fsdp_wait(...)``.
+
+1. Issue (``fsdp_all_gather`` / ``fsdp_reduce_scatter``): allocate the output where the input lives,
+   start the collective with ``async_op=True`` and return an :class:`InFlight`: the work handle, the
+   output, and the input. The trace's ``del`` of the input after the issue then frees nothing: the
+   handle keeps every buffer the collective reads or writes alive until its wait.
+2. On CUDA the collective is issued on one dedicated communication stream per device, after that
+   stream waits for the compute stream (an event between the streams), so the input is complete.
+   Both buffers were allocated by the compute stream, and are released only after step 3 made the
+   compute stream wait for the collective: the caching allocator cannot hand them to a new tensor
+   while the collective still reads or writes them.
+3. Wait (``fsdp_wait``): wait on the handle, make the compute stream wait for the communication
+   stream (CUDA), drop the input, return the output. The time the host spends blocked in ``wait`` is
+   added to :data:`WAIT_CLOCK` (on CUDA the host rarely blocks; the GPU does, and that is not counted).
+
+On CPU/gloo the same path runs: gloo runs collectives on its own threads, so compute continues while
+one is in flight. ``fsdp_wait`` also accepts the ``(handle, tensor)`` pair of Thunder's torch executor,
+for collectives this executor did not issue (e.g. an ``all_reduce`` from another transform).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from thunder.distributed import prims as dist_prims
+from thunder.extend import OperatorExecutor, register_executor
+
+comm_ex = OperatorExecutor("fsdp_comm", version="0.1")
+register_executor(comm_ex)
+
+
+@dataclass(frozen=True)
+class CollectiveEvent:
+    """One collective as the host saw it (``time.perf_counter()`` seconds)."""
+
+    kind: str  # "all_gather" or "reduce_scatter"
+    numel: int  # of the full (unsharded) buffer
+    issued: float
+    wait_started: float
+    wait_ended: float
+
+
+class WaitClock:
+    """Host seconds spent blocked in ``fsdp_wait``, and how many waits, since the last ``reset()``.
+
+    ``reset(record=True)`` also keeps a :class:`CollectiveEvent` per collective in ``events`` (for a
+    timeline of issue, wait and blocked time).
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self, record: bool = False) -> None:
+        self.seconds = 0.0
+        self.waits = 0
+        self.events: list[CollectiveEvent] | None = [] if record else None
+
+
+WAIT_CLOCK = WaitClock()
+
+
+@dataclass
+class InFlight:
+    """A started collective: what its wait needs, and the buffers it must keep alive until then."""
+
+    work: object  # torch.distributed Work
+    output: torch.Tensor
+    input: torch.Tensor | None
+    stream: object  # the CUDA stream it runs on, or None
+    kind: str = "collective"
+    issued: float = 0.0  # time.perf_counter() at issue
+
+
+_comm_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def communication_stream(device: torch.device):
+    """The one stream per CUDA device that this executor issues collectives on."""
+    if device not in _comm_streams:
+        _comm_streams[device] = torch.cuda.Stream(device=device)
+    return _comm_streams[device]
+
+
+def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: str = "collective") -> InFlight:
+    issued = time.perf_counter()
+    if not output.is_cuda:
+        return InFlight(start(output, input), output, input, None, kind, issued)
+    compute = torch.cuda.current_stream(output.device)
+    comm = communication_stream(output.device)
+    comm.wait_stream(compute)  # the input is written by the compute stream
+    with torch.cuda.stream(comm):
+        work = start(output, input)
+    return InFlight(work, output, input, comm, kind, issued)
+
+
+def _resized(a: torch.Tensor, group, grow: bool) -> torch.Tensor:
+    rows = a.shape[0] * group.size() if grow else a.shape[0] // group.size()
+    return torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
+
+
+def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None):
+    out = _resized(a, group, grow=True)
+    flight = _issue(lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True), out, a, "all_gather")
+    return flight if do_async else _wait_impl(flight)
+
+
+def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | None = None):
+    from thunder.torch import to_torch_distributed_reduce_op
+
+    out = _resized(a, group, grow=False)
+    reduce_op = to_torch_distributed_reduce_op(op)
+    flight = _issue(
+        lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True), out, a, "reduce_scatter"
+    )
+    return flight if do_async else _wait_impl(flight)
+
+
+def _wait_impl(flight, /) -> torch.Tensor:
+    if isinstance(flight, tuple):  # Thunder's torch executor's future: (work, tensor)
+        flight = InFlight(flight[0], flight[1], None, None)
+    t0 = time.perf_counter()
+    flight.work.wait()
+    if flight.stream is not None:
+        torch.cuda.current_stream(flight.output.device).wait_stream(flight.stream)
+    t1 = time.perf_counter()
+    WAIT_CLOCK.seconds += t1 - t0
+    WAIT_CLOCK.waits += 1
+    if WAIT_CLOCK.events is not None:
+        numel = flight.input.numel() if flight.kind == "reduce_scatter" else flight.output.numel()
+        WAIT_CLOCK.events.append(CollectiveEvent(flight.kind, numel, flight.issued, t0, t1))
+    flight.input = None  # released only now that the compute stream is ordered after the collective
+    return flight.output
+
+
+# torch's ``*_into_tensor`` collectives work along dim 0; other dims stay with Thunder's torch executor
+def _gathers_dim0(a, /, group, do_async, dim=None) -> bool:
+    return dim in (None, 0)
+
+
+def _scatters_dim0(a, /, op, group, do_async, dim=None) -> bool:
+    return dim in (None, 0)
+
+
+all_gather_impl = comm_ex.register_operator("fsdp_all_gather", meta=dist_prims.all_gather.meta, fn=_all_gather_impl)
+reduce_scatter_impl = comm_ex.register_operator(
+    "fsdp_reduce_scatter", meta=dist_prims.reduce_scatter.meta, fn=_reduce_scatter_impl
+)
+wait_impl = comm_ex.register_operator("fsdp_wait", meta=dist_prims.wait.meta, fn=_wait_impl)
+
+comm_ex.register_implementation(dist_prims.all_gather, all_gather_impl, checker=_gathers_dim0)
+comm_ex.register_implementation(dist_prims.reduce_scatter, reduce_scatter_impl, checker=_scatters_dim0)
+comm_ex.register_implementation(dist_prims.wait, wait_impl)
