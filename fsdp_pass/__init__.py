@@ -3,6 +3,7 @@
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.layout import ShardLayout
 from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
+from fsdp_pass.schedule import Schedule
 from fsdp_pass.state_dict import full_state_dict, load_full_state_dict
 from fsdp_pass.transform import FSDP
 from fsdp_pass.unit_policies import Blocks, BySize, Groups, PerParameter
@@ -13,6 +14,7 @@ __all__ = [
     "BySize",
     "Groups",
     "PerParameter",
+    "Schedule",
     "FSDP",
     "FSDPError",
     "ShardLayout",

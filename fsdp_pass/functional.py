@@ -3,7 +3,7 @@
     with fake_process_group(8) as group:
         prologue, trace = functional_trace(model, x)                   # 1. Thunder's functional forward
         sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model)  # 2-3.
-        forward, backward = derive_backward_and_lower(sharded)          # 4-5. autodiff + lowering
+        forward, backward = derive_backward_and_lower(sharded)          # 4-6. autodiff, lowering, schedule
 
 No module is changed and nothing is communicated: the traces show what every rank would run.
 """
@@ -18,7 +18,9 @@ from fsdp_pass.layout import ShardLayout
 from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.parameter_args import parameter_names_of_args
+from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.plan import ParamSpec, ShardingPlan, UnitPlan, parse_strategy
+from fsdp_pass.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.units import plan_units
 
 
@@ -58,14 +60,14 @@ def shard_functional_trace(
     return insert_unshards(computation, plan, arg_params, group), plan
 
 
-def derive_backward_and_lower(trace, executors=None):
-    """Thunder's autodiff and lowering, as thunder.jit runs them: (forward, backward) executable traces."""
+def derive_backward_and_lower(trace, executors=None, schedule: Schedule | None = DEFAULT_SCHEDULE):
+    """Thunder's autodiff and lowering, as thunder.jit runs them, then the scheduling pass (unless
+    ``schedule`` is None): (forward, backward) executable traces."""
+    from fsdp_pass_executors import executors_for
     from thunder.core.compile_data import compile_data_and_stats
     from thunder.core.transforms import dce
     from thunder.executors.passes import del_last_used
     from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
-
-    from fsdp_pass_executors import executors_for
 
     executors = executors if executors is not None else executors_for("cpu")
     # Thunder's passes read the executor list from the compile data in scope: give them one
@@ -74,4 +76,7 @@ def derive_backward_and_lower(trace, executors=None):
         joint = grad_transform_on_trace(dce(trace))
         lowered = thunder.transform_for_execution(joint, executors_list=executors)[-1]
         forward, backward = split_into_forward_and_backward(lowered)
-    return del_last_used(forward), del_last_used(backward, clear_mutable_collections=True)
+    forward, backward = del_last_used(forward), del_last_used(backward, clear_mutable_collections=True)
+    if schedule is not None:
+        forward, backward = schedule_collectives(forward, schedule), schedule_collectives(backward, schedule)
+    return forward, backward

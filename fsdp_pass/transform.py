@@ -8,9 +8,10 @@ Thunder calls, in order:
      (:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`) and fix the prologue's checks
      (:func:`~fsdp_pass.passes.shard_prologue.shard_prologue`). Thunder then derives the backward
      from ``unshard_unit``'s gradient rule (the reduce-scatters) and lowers both traces;
-  3. ``transform_trace_post_optimization`` on the final forward and backward traces: check that all
-     ranks issue the same collectives (:mod:`fsdp_pass.verify`) and label each collective with its
-     unit (:func:`~fsdp_pass.passes.annotate.annotate_collectives`).
+  3. ``transform_trace_post_optimization`` on the final forward and backward traces: place the
+     collectives for overlap (:func:`~fsdp_pass.passes.schedule_collectives.schedule_collectives`),
+     check that all ranks issue the same collectives (:mod:`fsdp_pass.verify`) and label each
+     collective with its unit (:func:`~fsdp_pass.passes.annotate.annotate_collectives`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,22 @@ from __future__ import annotations
 from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
 
+from fsdp_pass.errors import check
 from fsdp_pass.layout import shard_tensor
-from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, shard_module
-from fsdp_pass.passes.annotate import annotate_collectives
+from fsdp_pass.module_tree import ModuleTree
+from fsdp_pass.overlap import OverlapReport, overlap_report
+from fsdp_pass.passes.annotate import annotate_collectives, units_of_collectives
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.parameter_args import parameter_names_of_args
+from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.shard_prologue import shard_prologue
 from fsdp_pass.plan import Strategy, parse_strategy
+from fsdp_pass.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
 from fsdp_pass.state_dict import gather_full
 from fsdp_pass.unit_policies import resolve_policy
 from fsdp_pass.units import plan_units
+from fsdp_pass.verify import check_collective_lifetimes, check_same_collectives_on_all_ranks
 
 
 class FSDP(Transform):
@@ -46,6 +52,9 @@ class FSDP(Transform):
             list of modules / classes / names (explicit units), or ``BySize(max_bytes)``.
         reshard_after_forward: None (ZeRO-3: every unit but the last one gathered; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.
+        schedule: when collectives are issued and waited (:class:`~fsdp_pass.schedule.Schedule`):
+            the default prefetches one unit ahead; an int is the prefetch depth; None keeps the
+            order Thunder's lowering produced.
         release_original_parameters: replace the original module's full tensors with meta tensors
             once sharded, so each rank holds 1/N of the parameters.
         verify_ranks: at each compile, check that every rank issues the same collectives.
@@ -60,6 +69,7 @@ class FSDP(Transform):
         broadcast_from: int | None = None,
         units="blocks",
         reshard_after_forward=None,
+        schedule: Schedule | int | None = DEFAULT_SCHEDULE,
         release_original_parameters: bool = True,
         verify_ranks: bool = True,
     ):
@@ -69,6 +79,7 @@ class FSDP(Transform):
         self.broadcast_from = broadcast_from
         self.units = resolve_policy(units)
         self.reshard_after_forward = reshard_after_forward
+        self.schedule = resolve_schedule(schedule)
         self.release_original_parameters = release_original_parameters
         self.verify_ranks = verify_ranks
         self.group = None
@@ -77,6 +88,8 @@ class FSDP(Transform):
         self.unit_plan = None  # the plan of the latest compile
         self._param_of_arg: dict[str, str] = {}  # latest compile: argument name -> parameter name
         self._arg_order: list[str | None] = []  # latest compile: argument names, in order
+        self._final_traces: dict = {}  # latest compile: phase -> final trace
+        self._unit_of_collective: dict[str, str] = {}  # latest compile: collective output name -> unit
 
     def __repr__(self) -> str:
         return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.units.name!r})"
@@ -102,12 +115,27 @@ class FSDP(Transform):
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
+        phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
+        if self.schedule is not None:
+            computation_trace = schedule_collectives(computation_trace, self.schedule)
+        check_collective_lifetimes(computation_trace)
         if self.verify_ranks:
-            from fsdp_pass.verify import check_same_collectives_on_all_ranks
-
-            phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
             check_same_collectives_on_all_ranks(computation_trace, phase, self.group)
-        return annotate_collectives(computation_trace, self.unit_plan, self._param_of_arg, self._arg_order)
+        found = units_of_collectives(computation_trace, self.unit_plan, self._param_of_arg, self._arg_order)
+        self._unit_of_collective.update({name: unit.name for name, (unit, _) in found.items()})
+        self._final_traces[phase] = annotate_collectives(computation_trace, self.unit_plan, found)
+        return self._final_traces[phase]
+
+    def overlap_report(self) -> OverlapReport:
+        """Per collective of the latest compile: issue, wait, and the compute that runs in between."""
+        check(
+            "forward" in self._final_traces,
+            "overlap_report() reads the traces of a compiled step, and none was compiled yet.",
+            "Call the jitted model once (and .backward() for the backward rows) first.",
+        )
+        return overlap_report(
+            self._final_traces["forward"], self._final_traces.get("backward"), self._unit_of_collective
+        )
 
     # state dicts through ThunderModule.load_original_state_dict / original_state_dict
     def transform_state_dict_for_submodule(self, model, submodule_name, state_dict):

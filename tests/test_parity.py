@@ -7,6 +7,7 @@ softmax ignores) move by noise in both runs. The loss at every step checks the t
 
 import pytest
 
+from fsdp_pass import Schedule
 from tests import rank_cases
 from tests.models import MODELS, NON_ADJACENT_UNITS
 
@@ -19,8 +20,10 @@ def _check(results, world_size):
     assert r["grad_rel_err"] < TOL, r
     assert r["losses"][-1] < r["losses"][0], f"loss did not fall: {r['losses']}"
     assert not r["frozen_grads_present"], "a frozen parameter received a gradient"
-    # every rank agrees on the loss curve, and each holds about 1/N of the parameters
+    # every rank agrees on the loss curve and on where each collective is issued and waited for,
+    # and each holds about 1/N of the parameters
     assert all(x["losses"] == r["losses"] for x in results)
+    assert all(x["schedule"] == r["schedule"] for x in results)
     for x in results:
         assert x["shard_numel"] <= x["full_numel"] / world_size + 64
 
@@ -44,6 +47,20 @@ def test_parity_explicit_non_adjacent_unit(ranks, model_name, strategy):
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_parity_per_parameter_units(ranks, model_name):
     _check(ranks(2).run(rank_cases.parity, model_name, "zero3", units="per_parameter"), 2)
+
+
+SCHEDULES = {
+    "unscheduled": None,
+    "no_prefetch": Schedule(prefetch=0),
+    "prefetch2_bounded": Schedule(prefetch=2, max_unused_bytes=1, reduce_scatters_in_flight=1),
+    "prefetch3_unbounded_reductions": Schedule(prefetch=3, reduce_scatters_in_flight=None),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("model_name", ["gpt2_tied", "llama_gqa"])
+def test_parity_schedules(ranks, model_name, schedule):
+    _check(ranks(2).run(rank_cases.parity, model_name, "zero3", schedule=SCHEDULES[schedule]), 2)
 
 
 def test_parity_world_size_1(ranks):

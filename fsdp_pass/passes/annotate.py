@@ -1,6 +1,6 @@
 """Pass: label every collective in a final (executable) trace with its FSDP unit and bytes.
 
-``annotate_collectives(trace, plan, param_of_arg, arg_order) -> trace``
+``annotate_collectives(trace, plan, units_of_collectives(trace, plan, param_of_arg, arg_order)) -> trace``
 
 Thunder's lowering replaces our ops with executor calls and drops their comments, so the labels
 are put back on the final forward and backward traces:
@@ -65,14 +65,15 @@ def _label(plan: UnitPlan, unit, kind: str) -> str:
     return collective_label(unit.name, kind, len(unit.params), shard_bytes, plan.sharding.world_size, padding)
 
 
-def annotate_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], arg_order: list[str]):
+def units_of_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], arg_order: list[str]) -> dict:
+    """Output name of each collective in ``trace`` -> (its :class:`Unit`, kind), for the ones found."""
     unit_of_param = {p: u for u in plan.units for p in u.params}
     shards = set(param_of_arg)
     producers, consumers = utils.producers(trace), utils.consumers(trace)
     (ret,) = [b for b in trace.bound_symbols if is_return(b)]
     returned = ret.args[0] if isinstance(ret.args[0], (tuple, list)) else ()
 
-    headers: dict[str, str] = {}  # output name of a collective -> header
+    found = {}
     for bsym in trace.bound_symbols:
         units = []
         if is_all_gather(bsym):
@@ -85,8 +86,13 @@ def annotate_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], ar
             units = [unit_of_param[p] for p in params if p in unit_of_param]
             kind = "reduce-scatter grads"
         if units:
-            headers[bsym.output.name] = _label(plan, units[0], kind)
+            found[bsym.output.name] = (units[0], kind)
+    return found
 
+
+def annotate_collectives(trace, plan: UnitPlan, found: dict):
+    """``found``: what :func:`units_of_collectives` returns for ``trace``."""
+    headers = {name: _label(plan, unit, kind) for name, (unit, kind) in found.items()}
     if not headers:
         return trace
     new = from_trace(trace)

@@ -1,0 +1,143 @@
+"""What compute hides each collective: a static overlap report read off the final traces.
+
+``overlap_report(forward, backward, units=None) -> OverlapReport``
+
+For every all-gather, reduce-scatter and all-reduce:
+
+1. where it is issued and where it is waited for (positions in its trace);
+2. the compute ops between the two, by name, and an estimate of their FLOPs (matmuls 2·m·n·k, attention
+   4·b·h·s·s·d, other ops one per output element, fusion regions the sum of what they contain);
+3. ``exposed``: nothing computes between issue and wait, so the collective's whole time is waited for
+   (the first gather of a step always is: nothing is ready to compute before it).
+
+``units`` (collective output name -> unit name, as :func:`~fsdp_pass.passes.annotate.units_of_collectives`
+gives) names the unit of each row; without it, rows are named by kind and position only, so the report
+also reads traces this pass did not make (Thunder's own FSDP).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from fsdp_pass.plan import human_bytes
+from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_reduce_scatter, is_view_like, is_wait
+
+
+def _numel(proxy) -> int:
+    return math.prod(proxy.shape) if getattr(proxy, "shape", None) is not None else 0
+
+
+def estimated_flops(bsym) -> int:
+    """A rough FLOP count of one op (enough to tell a matmul-heavy gap from an empty one)."""
+    if bsym.sym.is_fusion:
+        return sum(estimated_flops(s) for s in bsym.subsymbols)
+    name = str(bsym.sym.name)
+    tensors_in = [p for p in bsym.flat_proxy_args if getattr(p, "shape", None) is not None]
+    tensors_out = [p for p in bsym.flat_proxy_outs if getattr(p, "shape", None) is not None]
+    if not tensors_out:
+        return 0
+    if name in ("matmul", "linear") and tensors_in and tensors_in[0].shape:
+        return 2 * _numel(tensors_out[0]) * tensors_in[0].shape[-1]
+    if "scaled_dot_product" in name and len(tensors_in) >= 2 and len(tensors_in[0].shape) >= 2:
+        q, k = tensors_in[0], tensors_in[1]
+        return 4 * _numel(q) * k.shape[-2]
+    return max(_numel(p) for p in tensors_out)
+
+
+def is_compute(bsym) -> bool:
+    """An op that does work on the device: not bookkeeping, not a view, not communication."""
+    return not (is_bookkeeping(bsym) or is_view_like(bsym) or is_collective(bsym) or is_wait(bsym))
+
+
+@dataclass(frozen=True)
+class CollectiveOverlap:
+    phase: str
+    kind: str  # "all-gather", "reduce-scatter", "all-reduce"
+    unit: str | None
+    full_bytes: int
+    issued_at: int
+    waited_at: int
+    ops_between: tuple[tuple[str, int], ...]  # (op name, count), most frequent first
+    flops_between: int
+
+    @property
+    def exposed(self) -> bool:
+        return self.flops_between == 0
+
+    @property
+    def compute_ops_between(self) -> int:
+        return sum(n for _, n in self.ops_between)
+
+
+def _kind(bsym) -> str:
+    return "all-gather" if is_all_gather(bsym) else "reduce-scatter" if is_reduce_scatter(bsym) else "all-reduce"
+
+
+def collective_overlaps(trace, phase: str, units: dict[str, str] | None = None) -> list[CollectiveOverlap]:
+    bsyms = trace.bound_symbols
+    wait_at = {b.args[0].name: i for i, b in enumerate(bsyms) if is_wait(b)}
+    rows = []
+    for i, b in enumerate(bsyms):
+        if not is_collective(b):
+            continue
+        w = wait_at.get(b.output.name, len(bsyms))
+        between = [x for x in bsyms[i + 1 : w] if is_compute(x)]
+        full = b.output if is_all_gather(b) else b.flat_proxy_args[0]
+        rows.append(
+            CollectiveOverlap(
+                phase,
+                _kind(b),
+                (units or {}).get(b.output.name),
+                _numel(full) * full.dtype.bytes,
+                i,
+                w,
+                tuple(Counter(str(x.sym.name) for x in between).most_common()),
+                sum(estimated_flops(x) for x in between),
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class OverlapReport:
+    rows: tuple[CollectiveOverlap, ...]
+
+    def exposed(self) -> list[CollectiveOverlap]:
+        return [r for r in self.rows if r.exposed]
+
+    def __str__(self) -> str:
+        header = ("phase", "collective", "unit", "bytes", "issue..wait", "compute between", "~MFLOP", "")
+        lines = [header]
+        for r in self.rows:
+            ops = ", ".join(f"{name} x{n}" for name, n in r.ops_between[:3])
+            more = len(r.ops_between) - 3
+            ops = f"{r.compute_ops_between} ops ({ops}{', ...' if more > 0 else ''})" if r.ops_between else "none"
+            lines.append(
+                (
+                    r.phase,
+                    r.kind,
+                    r.unit or "?",
+                    human_bytes(r.full_bytes),
+                    f"{r.issued_at}..{r.waited_at}",
+                    ops,
+                    f"{r.flops_between / 1e6:.3g}",
+                    "EXPOSED" if r.exposed else "",
+                )
+            )
+        widths = [max(len(str(row[c])) for row in lines) for c in range(len(header))]
+        out = [
+            "  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip()
+            for row in [lines[0], tuple("-" * w for w in widths), *lines[1:]]
+        ]
+        n_exposed = len(self.exposed())
+        out.append(f"{len(self.rows)} collectives, {n_exposed} exposed (no compute between issue and wait)")
+        return "\n".join(out)
+
+
+def overlap_report(forward, backward=None, units: dict[str, str] | None = None) -> OverlapReport:
+    rows = collective_overlaps(forward, "forward", units)
+    if backward is not None:
+        rows += collective_overlaps(backward, "backward", units)
+    return OverlapReport(tuple(rows))

@@ -1,0 +1,191 @@
+"""Pass: place every collective's issue and wait so that communication overlaps compute.
+
+``schedule_collectives(trace, schedule) -> trace``, on a final (executable) forward or backward trace.
+
+Invariants: the compute ops keep their order; only collectives, their waits and the packing ops that
+feed nothing but a collective move; the result depends on the trace alone (no rank, no timing), so
+every rank, and every recompile, issues the same collectives in the same order.
+
+1. Drop the trace's ``del`` and ``clear_mutable_collection`` lines (step 6 writes them again).
+2. Waits: each wait, with the shape ops that only cut its result into pieces, sits right before the
+   first other op that reads any of it.
+3. All-gathers, in the order of their first use: gather ``k`` is issued right after the wait of gather
+   ``k - prefetch`` (at the top for the first ``prefetch`` ones), i.e. while the unit before it computes.
+   If the gathered bytes issued but not used yet would exceed ``max_unused_bytes``, it is issued after
+   a later wait instead (never later than the wait before its own).
+4. Reduce-scatters (and all-reduces) are issued as soon as their input is computed; their waits, by
+   step 2, sit just before the first use of their result (the backward's end at the latest), but no
+   more than ``reduce_scatters_in_flight`` are outstanding: reduce-scatter ``k`` is waited before
+   ``k + reduce_scatters_in_flight`` is issued (each one keeps its full-size input alive until then).
+5. The packing ops that feed only a collective (reshapes, ``cat``, ``pad``, the pre-division) move with
+   it, so a prefetched gather's send buffer is not built long before it is sent.
+6. A priority topological sort puts it together (a key per op: its old position, or the position it
+   was given above; a second sort applies the reduce-scatter bound to the positions of the first),
+   then Thunder's ``del_last_used`` frees each tensor after its new last use.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from thunder.core import prims
+from thunder.core.trace import TraceProvenance, from_trace
+from thunder.executors.passes import del_last_used
+from thunder.executors.pythonex import clear_mutable_collection
+
+from fsdp_pass.predicates import is_all_gather, is_collective, is_packing, is_return, is_wait
+from fsdp_pass.schedule import Schedule
+
+_EARLIEST = -math.inf
+
+
+def _without_lifetimes(bsyms):
+    return [b for b in bsyms if b.sym.id != prims.PrimIDs.DEL and b.sym is not clear_mutable_collection]
+
+
+def _graph(bsyms):
+    """producer index of each proxy name, and the sorted consumer indices of each proxy name."""
+    producer, consumers = {}, {}
+    for i, b in enumerate(bsyms):
+        for p in b.flat_proxy_outs:
+            producer.setdefault(p.name, i)
+        for p in b.flat_proxy_args:
+            consumers.setdefault(p.name, []).append(i)
+    return producer, consumers
+
+
+def _packing_group(c: int, bsyms, producer, consumers) -> list[int]:
+    """``c`` and the packing ops whose results flow only into it (walking back from its input)."""
+    group, stack = {c}, [c]
+    while stack:
+        for p in bsyms[stack.pop()].flat_proxy_args:
+            j = producer.get(p.name)
+            if j is None or j in group or not is_packing(bsyms[j]):
+                continue
+            if all(k in group for o in bsyms[j].flat_proxy_outs for k in consumers.get(o.name, [])):
+                group.add(j)
+                stack.append(j)
+    return sorted(group)
+
+
+def _unpacking_group(w: int, bsyms, consumers) -> tuple[list[int], list[int]]:
+    """``w`` and the packing ops reading only what it returns (transitively), and the other readers."""
+    group, made_here, stack, readers = {w}, {o.name for o in bsyms[w].flat_proxy_outs}, [w], set()
+    while stack:
+        for o in bsyms[stack.pop()].flat_proxy_outs:
+            for j in consumers.get(o.name, []):
+                if j in group:
+                    continue
+                if is_packing(bsyms[j]) and all(p.name in made_here for p in bsyms[j].flat_proxy_args):
+                    group.add(j)
+                    made_here.update(q.name for q in bsyms[j].flat_proxy_outs)
+                    stack.append(j)
+                else:
+                    readers.add(j)
+    return sorted(group), sorted(readers - group)
+
+
+def _nbytes(proxy) -> int:
+    return proxy.numel * proxy.dtype.bytes
+
+
+def _gather_issue_keys(gathers, wait_key, sizes, schedule: Schedule) -> list[tuple]:
+    """Step 3: the sort key of each gather's issue (gathers in order of first use)."""
+    keys = []
+    for k in range(len(gathers)):
+        if schedule.prefetch == 0:
+            keys.append((wait_key[k][0] - 0.25, k))  # just before its own wait
+            continue
+        j = k - schedule.prefetch  # issue right after the wait of gather j (j < 0: at the top)
+        limit = schedule.max_unused_bytes
+        while limit is not None and j < k - 1 and sum(sizes[max(j + 1, 0) : k + 1]) > limit:
+            j += 1
+        keys.append((_EARLIEST if j < 0 else wait_key[j][0] + 0.25, k))
+    return keys
+
+
+def schedule_collectives(trace, schedule: Schedule):
+    bsyms = _without_lifetimes(trace.bound_symbols)
+    had_clears = any(b.sym is clear_mutable_collection for b in trace.bound_symbols)  # a backward trace
+    producer, consumers = _graph(bsyms)
+    (ret,) = [i for i, b in enumerate(bsyms) if is_return(b)]
+    key = [(float(i), 0) for i in range(len(bsyms))]  # (position, order among ops placed at one position)
+
+    # 2. waits (and the ops cutting up their result) right before the first other use of it
+    wait_group = {}  # collective index -> its wait and the ops cutting up the wait's result
+    for c, b in enumerate(bsyms):
+        if is_collective(b):
+            (w,) = [j for j in consumers.get(b.output.name, []) if is_wait(bsyms[j])]
+            group, readers = _unpacking_group(w, bsyms, consumers)
+            first_use = min(readers, default=ret)
+            for j in group:
+                key[j] = (first_use - 0.5, 0)
+            wait_group[c] = group
+
+    # 3. gathers, in order of first use, after the wait `prefetch` gathers earlier
+    gathers = sorted((c for c in wait_group if is_all_gather(bsyms[c])), key=lambda c: key[wait_group[c][0]])
+    issue_key = dict(
+        zip(
+            gathers,
+            _gather_issue_keys(
+                gathers, [key[wait_group[c][0]] for c in gathers], [_nbytes(bsyms[c].output) for c in gathers], schedule
+            ),
+        )
+    )
+    # 4. reduce-scatters and all-reduces as soon as their input exists
+    issue_key.update({c: (_EARLIEST, 0) for c in wait_group if c not in issue_key})
+    # 5. packing ops travel with their collective
+    for c, at in issue_key.items():
+        for j in _packing_group(c, bsyms, producer, consumers):
+            key[j] = at
+
+    # 6. priority topological sort; bound the reduce-scatters in flight; dels for the new order
+    order = _priority_topological_order(bsyms, producer, key)
+    order = _bound_reductions_in_flight(order, bsyms, producer, wait_group, schedule.reduce_scatters_in_flight)
+    assert order[-1] == ret, "the return must stay last"
+    new = from_trace(trace)
+    new.bound_symbols = [bsyms[i] for i in order]
+    new = del_last_used(new, clear_mutable_collections=had_clears)
+    new.set_provenance(TraceProvenance(f"fsdp_pass: schedule collectives ({schedule})"))
+    return new
+
+
+def _bound_reductions_in_flight(order, bsyms, producer, wait_group, limit) -> list[int]:
+    """Wait for reduce-scatter ``k`` before reduce-scatter ``k + limit`` is issued.
+
+    A reduce-scatter keeps its full-size input alive until its wait, so without a bound every unit's
+    full gradient buffer would live until the backward's end.
+    """
+    issued = [i for i in order if i in wait_group and not is_all_gather(bsyms[i])]
+    if limit is None or len(issued) <= limit:
+        return order
+    position = {i: p for p, i in enumerate(order)}
+    key = [(float(position[i]), 0) for i in range(len(bsyms))]
+    for k, c in enumerate(issued[:-limit]):
+        deadline = position[issued[k + limit]] - 0.5
+        for j in wait_group[c]:
+            key[j] = min(key[j], (deadline, 0))
+    return _priority_topological_order(bsyms, producer, key)
+
+
+def _priority_topological_order(bsyms, producer, key) -> list[int]:
+    """Kahn's algorithm taking, among the ops whose inputs are ready, the one with the smallest key."""
+    deps = [{producer[p.name] for p in b.flat_proxy_args if p.name in producer} - {i} for i, b in enumerate(bsyms)]
+    users: list[list[int]] = [[] for _ in bsyms]
+    for i, ds in enumerate(deps):
+        for d in ds:
+            users[d].append(i)
+    waiting = [len(ds) for ds in deps]
+    ready = [(key[i], i) for i in range(len(bsyms)) if not waiting[i]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                heapq.heappush(ready, (key[u], u))
+    assert len(order) == len(bsyms), "the trace has a dependency cycle"
+    return order

@@ -1,0 +1,288 @@
+"""Tier 1: the scheduling pass, on final traces built in one process (fake group, world size 8).
+
+Where each collective is issued and waited for: prefetch one unit ahead, waits right before first use,
+reduce-scatters as soon as their input exists, the in-flight bounds, peak gathered memory, stability
+across recompiles; the lifetime check that catches a buffer used while its collective is in flight;
+and the executor keeping a collective's buffers alive until its wait.
+"""
+
+import gc
+import itertools
+import weakref
+
+import pytest
+import thunder
+import torch
+from fsdp_pass_executors import collectives as comm
+from fsdp_pass_executors import executors_for
+from thunder.core import prims
+from thunder.core.trace import from_trace
+from thunder.extend import get_executor
+
+from fsdp_pass import FSDP, FSDPError, Schedule, fake_process_group
+from fsdp_pass.overlap import is_compute
+from fsdp_pass.predicates import (
+    is_all_gather,
+    is_collective,
+    is_packing,
+    is_reduce_scatter,
+    is_view_like,
+    is_wait,
+)
+from fsdp_pass.schedule import DEFAULT_SCHEDULE
+from fsdp_pass.trace_stats import step_stats
+from fsdp_pass.verify import check_collective_lifetimes, collective_sequence
+from tests import models
+
+WORLD = 8
+LAYERS = 3
+
+
+def compile_step(schedule=DEFAULT_SCHEDULE, executors=None, strategy="zero3"):
+    torch.manual_seed(0)
+    model = models.TinyLlama(n_layer=LAYERS)
+    with fake_process_group(WORLD):
+        fsdp = FSDP(strategy, schedule=schedule)
+        jm = thunder.jit(model, transforms=[fsdp], executors=executors or executors_for("cpu"))
+        x, y = models.batch("llama_gqa", 2, 0)
+        models.loss_fn("llama_gqa", jm(x), y).backward()
+        return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1], fsdp
+
+
+def block_bytes(fsdp) -> int:
+    unit = next(u for u in fsdp.unit_plan.units if u.name == "layers.0")
+    _, shard_numel, _ = fsdp.unit_plan.unit_numel(unit)
+    return shard_numel * WORLD * fsdp.unit_plan.unit_itemsize(unit)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    out = {"default": compile_step()}
+    limit = block_bytes(out["default"][2])
+    out["again"] = compile_step()
+    out["prefetch2"] = compile_step(Schedule(prefetch=2))
+    out["bounded"] = compile_step(Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1))
+    out["prefetch0"] = compile_step(Schedule(prefetch=0))
+    out["thunder_order"] = compile_step(None, executors=[get_executor("torch")])
+    return out
+
+
+# ------------------------------------------------------------------------------------ trace facts
+def positions(trace, pred):
+    return [i for i, b in enumerate(trace.bound_symbols) if pred(b)]
+
+
+def wait_of(trace, issue_index):
+    future = trace.bound_symbols[issue_index].output.name
+    (w,) = [i for i, b in enumerate(trace.bound_symbols) if is_wait(b) and b.args[0].name == future]
+    return w
+
+
+def max_in_flight(trace, pred, weight=lambda b: 1):
+    """The most (by count or ``weight``) collectives matching ``pred`` issued and not yet waited for."""
+    live, peak, open_ = 0, 0, {}
+    for b in trace.bound_symbols:
+        if is_collective(b) and pred(b):
+            open_[b.output.name] = weight(b)
+            live += open_[b.output.name]
+            peak = max(peak, live)
+        elif is_wait(b) and b.args[0].name in open_:
+            live -= open_.pop(b.args[0].name)
+    return peak
+
+
+def first_compute_reading(trace, w):
+    """Index of the first compute op that reads the wait's result (directly or through views)."""
+    aliases = {trace.bound_symbols[w].output.name}
+    for i in range(w + 1, len(trace.bound_symbols)):
+        b = trace.bound_symbols[i]
+        if any(p.name in aliases for p in b.flat_proxy_args):
+            if is_view_like(b):
+                aliases.update(o.name for o in b.flat_proxy_outs)
+            elif is_compute(b) or is_collective(b):
+                return i
+    return len(trace.bound_symbols)
+
+
+def is_work(bsym) -> bool:
+    """A compute op, not counting the packing of a collective's send buffer."""
+    return is_compute(bsym) and not is_packing(bsym)
+
+
+def compute_between(trace, a, b):
+    return [x for x in trace.bound_symbols[a + 1 : b] if is_work(x)]
+
+
+def gathers_by_first_use(trace):
+    return sorted(positions(trace, is_all_gather), key=lambda c: wait_of(trace, c))
+
+
+# ----------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("phase", [0, 1])
+def test_each_wait_sits_right_before_first_use(compiled, phase):
+    trace = compiled["default"][phase]
+    bsyms = trace.bound_symbols
+    for c in positions(trace, is_collective):
+        w = wait_of(trace, c)
+        use = first_compute_reading(trace, w)
+        if is_reduce_scatter(bsyms[c]) and compute_between(trace, w, use):
+            # waited early only to keep at most two reduce-scatters in flight: right before the next issue
+            nxt = next(i for i in range(w + 1, len(bsyms)) if is_collective(bsyms[i]) or is_work(bsyms[i]))
+            assert is_reduce_scatter(bsyms[nxt]) and max_in_flight(trace, is_reduce_scatter) == 2
+            continue
+        assert not compute_between(trace, w, use), f"compute between the wait at {w} and the first use at {use}"
+
+
+@pytest.mark.parametrize("phase", [0, 1])
+def test_prefetch_one_unit_ahead_in_use_order(compiled, phase):
+    trace = compiled["default"][phase]
+    gathers = gathers_by_first_use(trace)
+    assert gathers == positions(trace, is_all_gather), "gathers are issued in the order their units are used"
+    # gather k is issued right after gather k-1 arrives, before the compute of unit k-1 starts
+    for prev, cur in itertools.pairwise(gathers):
+        w_prev = wait_of(trace, prev)
+        assert w_prev < cur < first_compute_reading(trace, w_prev)
+        assert not compute_between(trace, w_prev, cur)
+        assert compute_between(trace, cur, wait_of(trace, cur)), "the prefetched gather overlaps compute"
+    assert max_in_flight(trace, is_all_gather) == 1
+
+
+def test_backward_gathers_run_in_reverse_unit_order(compiled):
+    fsdp = compiled["default"][2]
+    rows = fsdp.overlap_report().rows
+    forward = [r.unit for r in rows if r.phase == "forward" and r.kind == "all-gather"]
+    backward = [r.unit for r in rows if r.phase == "backward" and r.kind == "all-gather"]
+    assert forward == ["embed", "layers.0", "layers.1", "layers.2", "norm+lm_head"]
+    # zero3: the last unit stays gathered, the embedding's backward needs no weights
+    assert backward == ["layers.2", "layers.1", "layers.0"]
+
+
+def test_reduce_scatters_issued_as_soon_as_their_input_exists(compiled):
+    backward = compiled["default"][1]
+    bsyms = backward.bound_symbols
+    for c in positions(backward, is_reduce_scatter):
+        flat = bsyms[c].flat_proxy_args[0].name
+        (producer,) = [i for i, b in enumerate(bsyms) if any(o.name == flat for o in b.flat_proxy_outs)]
+        assert not compute_between(backward, producer, c) and not any(is_collective(b) for b in bsyms[producer + 1 : c])
+    # waited late, but at most two in flight (each keeps its full-size gradient buffer alive)
+    assert max_in_flight(backward, is_reduce_scatter) == 2
+    assert max_in_flight(compiled["bounded"][1], is_reduce_scatter) == 1
+
+
+def test_only_the_first_gather_and_the_last_reduce_scatter_are_exposed(compiled):
+    exposed = [(r.phase, r.kind, r.unit) for r in compiled["default"][2].overlap_report().exposed()]
+    assert exposed == [("forward", "all-gather", "embed"), ("backward", "reduce-scatter", "embed")]
+    report = str(compiled["default"][2].overlap_report())
+    assert "EXPOSED" in report and "matmul" in report and "2 exposed" in report
+
+
+def test_prefetch_zero_leaves_every_gather_exposed(compiled):
+    rows = compiled["prefetch0"][2].overlap_report().rows
+    assert all(r.exposed for r in rows if r.kind == "all-gather")
+
+
+def test_deeper_prefetch_and_the_byte_bound(compiled):
+    forward = compiled["prefetch2"][0]
+    assert max_in_flight(forward, is_all_gather) == 2
+    limit = block_bytes(compiled["default"][2])
+    bounded = compiled["bounded"][0]
+
+    def nbytes(b):
+        return b.output.numel * b.output.dtype.bytes
+
+    assert max_in_flight(bounded, is_all_gather, nbytes) <= limit
+    assert max_in_flight(forward, is_all_gather, nbytes) > limit  # the bound changed something
+
+
+def test_peak_gathered_memory_is_bounded_by_units_not_the_model(compiled):
+    fwd, bwd, fsdp = compiled["default"]
+    peak = step_stats(fwd, bwd, WORLD).peak_gathered_bytes
+    thunder_peak = step_stats(*compiled["thunder_order"][:2], WORLD).peak_gathered_bytes
+    model_bytes = sum(fsdp.unit_plan.unit_numel(u)[1] * WORLD * 4 for u in fsdp.unit_plan.units)
+    # Thunder's own order issues every gather at once: the whole model is gathered at the top
+    assert thunder_peak >= model_bytes
+    # scheduled: the unit computing and the one in flight, plus the small norm weights the forward
+    # saves for the backward (copies cut out of the block buffers)
+    assert peak <= 2 * block_bytes(fsdp) + 3 * 2 * 8 * 4 + 2 * 8 * 4
+    assert peak < thunder_peak / 2
+
+
+def test_same_schedule_on_every_recompile(compiled):
+    for phase in (0, 1):
+        a, b = compiled["default"][phase], compiled["again"][phase]
+        assert collective_sequence(a) == collective_sequence(b)
+        assert positions(a, is_collective) == positions(b, is_collective)
+        assert positions(a, is_wait) == positions(b, is_wait)
+
+
+# ------------------------------------------------------------------------ in-flight buffer safety
+def _with_bsyms(trace, bsyms):
+    new = from_trace(trace)
+    new.bound_symbols = bsyms
+    return new
+
+
+def test_lifetime_check_accepts_the_scheduled_traces(compiled):
+    for name in ("default", "prefetch2", "bounded", "prefetch0", "thunder_order"):
+        check_collective_lifetimes(compiled[name][0])
+        check_collective_lifetimes(compiled[name][1])
+
+
+def test_lifetime_check_catches_a_write_into_a_buffer_in_flight(compiled):
+    forward = compiled["default"][0]
+    bsyms = list(forward.bound_symbols)
+    c = positions(forward, is_all_gather)[1]
+    send = bsyms[c].flat_proxy_args[0]
+    # overwrite the gather's send buffer while it is in flight
+    bsyms.insert(c + 1, prims.copy_.bind(send, send, grad_enabled=False, output=send))
+    with pytest.raises(FSDPError, match="writes into .* still in flight"):
+        check_collective_lifetimes(_with_bsyms(forward, bsyms))
+
+
+def test_lifetime_check_catches_a_wait_after_use_or_a_second_reader(compiled):
+    forward = compiled["default"][0]
+    bsyms = list(forward.bound_symbols)
+    c = positions(forward, is_all_gather)[1]
+    w = wait_of(forward, c)
+    moved = bsyms[:c] + [bsyms[w]] + bsyms[c:w] + bsyms[w + 1 :]  # the wait before its collective
+    with pytest.raises(FSDPError, match="before it is issued"):
+        check_collective_lifetimes(_with_bsyms(forward, moved))
+    twice = bsyms[: w + 1] + [bsyms[w]] + bsyms[w + 1 :]  # waited for twice
+    with pytest.raises(FSDPError, match="read by 2 op"):
+        check_collective_lifetimes(_with_bsyms(forward, twice))
+
+
+class _LateWork:
+    """A collective that has not finished: what it reads must stay alive until wait()."""
+
+    waited = False
+
+    def wait(self):
+        self.waited = True
+
+
+def test_executor_keeps_buffers_alive_until_the_wait():
+    send = torch.arange(6.0)
+    out = torch.empty(12)
+    alive = weakref.ref(send)
+    flight = comm._issue(lambda o, i: _LateWork(), out, send)
+    del send
+    gc.collect()
+    assert alive() is not None, "the send buffer was freed while its collective is in flight"
+    clock = comm.WAIT_CLOCK.waits
+    result = comm._wait_impl(flight)
+    assert result is out and flight.work.waited and comm.WAIT_CLOCK.waits == clock + 1
+    gc.collect()
+    assert alive() is None, "the send buffer outlived its collective's wait"
+
+
+def test_schedule_settings_are_checked():
+    with pytest.raises(FSDPError, match="prefetch"):
+        Schedule(prefetch=-1)
+    with pytest.raises(FSDPError, match="max_unused_bytes"):
+        Schedule(max_unused_bytes=0)
+    with pytest.raises(FSDPError, match="reduce_scatters_in_flight"):
+        Schedule(reduce_scatters_in_flight=0)
+    with pytest.raises(FSDPError, match="not a schedule"):
+        FSDP("zero3", schedule="fast")
+    assert FSDP("zero3", schedule=2).schedule == Schedule(prefetch=2)
