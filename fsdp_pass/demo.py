@@ -4,8 +4,9 @@
 
 1. Every rank builds the same small Llama-style model (seeded) and jits it with ``FSDP``.
 2. Each rank trains on its own slice of every global batch (a toy language: count upwards mod V).
-3. Rank 0 prints the FSDP plan, the forward and backward traces, and the loss (averaged over ranks)
-   at every step; it falls.
+3. Rank 0 prints the FSDP plan, the forward and backward traces, the overlap report (what compute
+   runs while each collective is in flight), and the loss (averaged over ranks) at every step; it
+   falls. At the end: the time per step spent blocked in waits.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from fsdp_pass_executors import WAIT_CLOCK, describe, executors_for
 
-from fsdp_pass import FSDP, full_state_dict
-from fsdp_pass_executors import describe, executors_for
+from fsdp_pass import FSDP, Schedule, full_state_dict
 
 
 class Block(nn.Module):
@@ -73,6 +74,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch-per-rank", type=int, default=4)
+    parser.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (Schedule(prefetch=...))")
+    parser.add_argument("--no-schedule", action="store_true", help="skip the scheduling pass (Thunder's order)")
     parser.add_argument("--no-traces", action="store_true", help="do not print the traces")
     args = parser.parse_args(argv)
 
@@ -85,11 +88,15 @@ def main(argv=None):
     torch.manual_seed(0)
     model = TinyLM(n_layer=args.layers).to(device)
     executors = executors_for(device)
-    jm = thunder.jit(model, transforms=[FSDP(args.strategy)], executors=executors)
+    schedule = None if args.no_schedule else Schedule(prefetch=args.prefetch)
+    jm = thunder.jit(model, transforms=[FSDP(args.strategy, schedule=schedule)], executors=executors)
     opt = torch.optim.AdamW(jm.parameters(), lr=3e-3)
     say(f"fsdp_pass demo: {args.strategy}, {world} ranks ({dist.get_backend()}), executors: {describe(executors)}")
 
+    step_times = []
     for step in range(args.steps):
+        if step == 1:
+            WAIT_CLOCK.reset()  # after the compile step
         x, y = counting_batch(args.batch_per_rank * world, 32, 64, step)
         x, y = (t[rank * args.batch_per_rank : (rank + 1) * args.batch_per_rank].to(device) for t in (x, y))
         t0 = time.perf_counter()
@@ -98,6 +105,7 @@ def main(argv=None):
         opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
+        step_times.append(dt)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         if step == 0:
@@ -108,8 +116,16 @@ def main(argv=None):
                 say(thunder.last_traces(jm)[-1])
                 say("=" * 30, "backward trace (rank 0)", "=" * 30)
                 say(thunder.last_backward_traces(jm)[-1])
+            say("=" * 30, "overlap: what computes while each collective is in flight (rank 0)", "=" * 30)
+            say(fsdp.overlap_report(), "\n")
         say(f"step {step:3d}  loss {float(mean) / world:.4f}  ({dt * 1000:.0f} ms{', includes compile' if step == 0 else ''})")
 
+    if args.steps > 1:
+        timed = args.steps - 1
+        say(
+            f"\nafter the compile step: {sum(step_times[1:]) / timed * 1000:.1f} ms per step, of which "
+            f"{WAIT_CLOCK.seconds / timed * 1000:.1f} ms blocked in collective waits (rank 0)"
+        )
     full = full_state_dict(jm)
     local = sum(p.numel() for p in jm.parameters())
     say(f"\neach rank holds {local:,} of {sum(v.numel() for k, v in full.items() if 'weight' in k):,} parameter elements")
