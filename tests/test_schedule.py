@@ -286,3 +286,13 @@ def test_schedule_settings_are_checked():
     with pytest.raises(FSDPError, match="not a schedule"):
         FSDP("zero3", schedule="fast")
     assert FSDP("zero3", schedule=2).schedule == Schedule(prefetch=2)
+
+
+def test_the_printed_trace_names_the_executor_of_each_collective(compiled):
+    forward, backward, _ = compiled["default"]
+    assert [e.name for e in executors_for("cpu")] == ["fsdp_comm", "torch"]
+    for text in (str(forward), str(backward)):
+        assert "fsdp_all_gather(" in text and "fsdp_wait(" in text and "torch_all_gather_prim_impl" not in text
+    assert "fsdp_reduce_scatter(" in str(backward)
+    # without fsdp_comm, Thunder's torch executor runs them
+    assert "torch_all_gather_prim_impl(" in str(compiled["thunder_order"][0])
