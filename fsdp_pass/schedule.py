@@ -15,6 +15,10 @@ next is always issued, so it can be exceeded by one unit larger than the bound.
 ``reduce_scatters_in_flight`` bounds the reduce-scatters issued and not yet waited: each keeps its
 full-size gradient buffer alive until its wait. None waits for all of them at the end of the backward.
 
+``kept_units_first``: the units the forward uses first that stay gathered for the backward (all units
+under ZeRO-2) are gathered at the top of the forward, all at once: their memory is held until the
+backward anyway, so waiting saves nothing; the forward's peak, at its end, holds them either way.
+
 Peak gathered-parameter memory of a ZeRO-3 step is then about (1 + prefetch) units (the unit computing
 and the ones in flight), not the whole model.
 """
@@ -31,6 +35,7 @@ class Schedule:
     prefetch: int = 1
     max_unused_bytes: int | None = None
     reduce_scatters_in_flight: int | None = 2
+    kept_units_first: bool = True
 
     def __post_init__(self):
         check(

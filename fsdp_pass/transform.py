@@ -116,12 +116,17 @@ class FSDP(Transform):
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
         phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
+        found = units_of_collectives(computation_trace, self.unit_plan, self._param_of_arg, self._arg_order)
         if self.schedule is not None:
-            computation_trace = schedule_collectives(computation_trace, self.schedule)
+            kept = frozenset(
+                name
+                for name, (unit, kind) in found.items()
+                if phase == "forward" and kind == "all-gather" and not unit.reshard_after_forward
+            )
+            computation_trace = schedule_collectives(computation_trace, self.schedule, kept)
         check_collective_lifetimes(computation_trace)
         if self.verify_ranks:
             check_same_collectives_on_all_ranks(computation_trace, phase, self.group)
-        found = units_of_collectives(computation_trace, self.unit_plan, self._param_of_arg, self._arg_order)
         self._unit_of_collective.update({name: unit.name for name, (unit, _) in found.items()})
         self._final_traces[phase] = annotate_collectives(computation_trace, self.unit_plan, found)
         return self._final_traces[phase]

@@ -64,6 +64,7 @@ def compiled():
     out["bounded"] = compile_step(Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1))
     out["prefetch0"] = compile_step(Schedule(prefetch=0))
     out["thunder_order"] = compile_step(None, executors=[get_executor("torch")])
+    out["zero2"] = compile_step(strategy="zero2")
     return out
 
 
@@ -147,6 +148,16 @@ def test_prefetch_one_unit_ahead_in_use_order(compiled, phase):
     assert max_in_flight(trace, is_all_gather) == 1
 
 
+def test_zero2_gathers_every_kept_unit_at_the_top(compiled):
+    """Under ZeRO-2 every unit stays gathered for the backward: waiting would save no memory."""
+    forward, backward, _ = compiled["zero2"]
+    gathers = positions(forward, is_all_gather)
+    assert gathers == gathers_by_first_use(forward) and len(gathers) == LAYERS + 2
+    first_work = next(i for i, b in enumerate(forward.bound_symbols) if is_work(b))
+    assert gathers[-1] < first_work
+    assert not positions(backward, is_all_gather)
+
+
 def test_backward_gathers_run_in_reverse_unit_order(compiled):
     fsdp = compiled["default"][2]
     rows = fsdp.overlap_report().rows
@@ -223,7 +234,7 @@ def _with_bsyms(trace, bsyms):
 
 
 def test_lifetime_check_accepts_the_scheduled_traces(compiled):
-    for name in ("default", "prefetch2", "bounded", "prefetch0", "thunder_order"):
+    for name in ("default", "prefetch2", "bounded", "prefetch0", "thunder_order", "zero2"):
         check_collective_lifetimes(compiled[name][0])
         check_collective_lifetimes(compiled[name][1])
 

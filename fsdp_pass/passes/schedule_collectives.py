@@ -12,7 +12,10 @@ every rank, and every recompile, issues the same collectives in the same order.
 3. All-gathers, in the order of their first use: gather ``k`` is issued right after the wait of gather
    ``k - prefetch`` (at the top for the first ``prefetch`` ones), i.e. while the unit before it computes.
    If the gathered bytes issued but not used yet would exceed ``max_unused_bytes``, it is issued after
-   a later wait instead (never later than the wait before its own).
+   a later wait instead (never later than the wait before its own). Exception: the leading gathers
+   whose units stay gathered for the backward (``kept``; all of them under ZeRO-2) are all issued at
+   the top: their memory is held until the backward anyway, and nothing they queue behind is needed
+   sooner.
 4. Reduce-scatters (and all-reduces) are issued as soon as their input is computed; their waits, by
    step 2, sit just before the first use of their result (the backward's end at the latest), but no
    more than ``reduce_scatters_in_flight`` are outstanding: reduce-scatter ``k`` is waited before
@@ -90,10 +93,13 @@ def _nbytes(proxy) -> int:
     return proxy.numel * proxy.dtype.bytes
 
 
-def _gather_issue_keys(gathers, wait_key, sizes, schedule: Schedule) -> list[tuple]:
+def _gather_issue_keys(wait_key, sizes, schedule: Schedule, leading_kept: int) -> list[tuple]:
     """Step 3: the sort key of each gather's issue (gathers in order of first use)."""
     keys = []
-    for k in range(len(gathers)):
+    for k in range(len(sizes)):
+        if k < leading_kept:
+            keys.append((_EARLIEST, k))  # kept for the backward anyway: no memory saved by waiting
+            continue
         if schedule.prefetch == 0:
             keys.append((wait_key[k][0] - 0.25, k))  # just before its own wait
             continue
@@ -105,7 +111,8 @@ def _gather_issue_keys(gathers, wait_key, sizes, schedule: Schedule) -> list[tup
     return keys
 
 
-def schedule_collectives(trace, schedule: Schedule):
+def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = frozenset()):
+    """``kept``: output names of the all-gathers whose units stay gathered for the backward."""
     bsyms = _without_lifetimes(trace.bound_symbols)
     had_clears = any(b.sym is clear_mutable_collection for b in trace.bound_symbols)  # a backward trace
     producer, consumers = _graph(bsyms)
@@ -125,14 +132,12 @@ def schedule_collectives(trace, schedule: Schedule):
 
     # 3. gathers, in order of first use, after the wait `prefetch` gathers earlier
     gathers = sorted((c for c in wait_group if is_all_gather(bsyms[c])), key=lambda c: key[wait_group[c][0]])
-    issue_key = dict(
-        zip(
-            gathers,
-            _gather_issue_keys(
-                gathers, [key[wait_group[c][0]] for c in gathers], [_nbytes(bsyms[c].output) for c in gathers], schedule
-            ),
-        )
-    )
+    leading_kept = 0
+    while schedule.kept_units_first and leading_kept < len(gathers) and bsyms[gathers[leading_kept]].output.name in kept:
+        leading_kept += 1
+    wait_keys = [key[wait_group[c][0]] for c in gathers]
+    sizes = [_nbytes(bsyms[c].output) for c in gathers]
+    issue_key = dict(zip(gathers, _gather_issue_keys(wait_keys, sizes, schedule, leading_kept)))
     # 4. reduce-scatters and all-reduces as soon as their input exists
     issue_key.update({c: (_EARLIEST, 0) for c in wait_group if c not in issue_key})
     # 5. packing ops travel with their collective
