@@ -6,12 +6,13 @@ weights) and returns a :class:`Trainer` whose ``.step(idx, targets)`` runs forwa
 
 Systems:
   eager          plain module, no communication (each rank trains alone: a reference row)
+  thunder        plain ``thunder.jit`` of the module, no communication (Thunder's own cost, no FSDP)
   ddp            torch DistributedDataParallel on CPU
   fsdp2          torch ``fully_shard`` on every decoder layer, then the root (default: reshard after
                  forward, i.e. ZeRO-3-like); ``fsdp2 zero2`` keeps them gathered
                  (``reshard_after_forward=False``)
   thunder_fsdp   Thunder 0.2.6's own FSDP transform (``thunder.distributed.transforms.fsdp_v2``)
-  ours           ``fsdp_pass.FSDP(strategy, units=...)``; configurations in :data:`OURS_CONFIGS`
+  ours           ``fsdp_pass.FSDP(strategy, units=..., schedule=...)``; configurations in :data:`OURS_CONFIGS`
 
 To add a column to the table, give a system an ``extra_stats(trainer) -> dict``: its keys become
 columns (``peak unsharded MB`` is always shown; "—" where no hook fills it). Thunder-based trainers
@@ -35,14 +36,26 @@ LR = 1e-3
 # Columns filled by ``System.extra_stats``; always printed, "—" where a system has no value.
 EXTRA_COLUMNS = ("peak unsharded MB",)
 
-# (row name, strategy, units policy) for fsdp_pass.FSDP. Add a line to benchmark another policy.
+# (row name, strategy, units policy, prefetch, executors) for fsdp_pass.FSDP. Add a line to benchmark
+# another configuration. prefetch: the Schedule's depth, or None for no scheduling pass. executors:
+# "ours" = fsdp_pass_executors.executors_for("cpu") (collectives on fsdp_comm), "thunder" = Thunder's
+# torch executor alone (then Thunder's own sort_waits orders the collectives: every gather at the top).
 OURS_CONFIGS = [
-    ("ours zero2 per-param", "zero2", "per_parameter"),
-    ("ours zero3 per-param", "zero3", "per_parameter"),
-    ("ours zero2 blocks", "zero2", "blocks"),
-    ("ours zero3 blocks", "zero3", "blocks"),
-    ("ours zero3 by-size 1.7MB", "zero3", "by_size:1700000"),  # two decoder layers per unit
+    ("ours zero2 per-param", "zero2", "per_parameter", 1, "ours"),
+    ("ours zero2 blocks", "zero2", "blocks", 1, "ours"),
+    ("ours zero2 blocks unscheduled", "zero2", "blocks", None, "ours"),
+    ("ours zero3 blocks", "zero3", "blocks", 1, "ours"),
+    ("ours zero3 blocks prefetch 2", "zero3", "blocks", 2, "ours"),
+    ("ours zero3 blocks unscheduled", "zero3", "blocks", None, "ours"),
+    ("ours zero3 blocks thunder order", "zero3", "blocks", None, "thunder"),
+    ("ours zero3 by-size 1.7MB", "zero3", "by_size:1700000", 1, "ours"),  # two decoder layers per unit
 ]
+OURS_NOTES = {
+    "ours zero3 blocks unscheduled": "unscheduled: no scheduling pass; each gather is issued right before its wait "
+    "(nothing overlaps it)",
+    "ours zero3 blocks thunder order": "thunder order: no scheduling pass, Thunder's torch executor, whose sort_waits "
+    "issues every gather at the top of the forward/backward (all overlap, the whole model gathered at once)",
+}
 
 # (row name, FSDPType name, FSDPBucketingStrategy name) for Thunder's own FSDP.
 # Not listed: bucketing_strategy=BLOCK/LAYER. In lightning-thunder 0.2.6 nothing reads it (the
@@ -83,16 +96,24 @@ class System:
     note: str | None = None  # printed under the table
 
 
-def thunder_executors():
-    """The executors every Thunder-based row uses (the project's choice for CPU)."""
+def thunder_executors(which: str = "ours"):
+    """``"ours"``: the project's executors for CPU; ``"thunder"``: Thunder's own (its torch executor)."""
     from fsdp_pass_executors import executors_for
+    from thunder.extend import get_executor
 
-    return executors_for("cpu")
+    return executors_for("cpu") if which == "ours" else [get_executor("torch")]
 
 
 # ----------------------------------------------------------------------------------------- builders
 def build_eager(model: nn.Module) -> Trainer:
     return Trainer(model)
+
+
+def build_thunder(model: nn.Module) -> Trainer:
+    import thunder
+
+    jm = thunder.jit(model, executors=thunder_executors())
+    return Trainer(jm)
 
 
 def build_ddp(model: nn.Module) -> Trainer:
@@ -135,23 +156,22 @@ def thunder_fsdp_builder(sharding: str, bucketing: str) -> Callable[[nn.Module],
             bucketing_strategy=FSDPBucketingStrategy[bucketing],
             release_original_parameters=True,
         )
-        jm = thunder.jit(model, transforms=[transform], executors=thunder_executors())
+        jm = thunder.jit(model, transforms=[transform], executors=thunder_executors("thunder"))
         return Trainer(jm, transform=transform)
 
     return build
 
 
-def ours_builder(strategy: str, units: str) -> Callable[[nn.Module], Trainer]:
+def ours_builder(strategy: str, units: str, prefetch: int | None, executors: str) -> Callable[[nn.Module], Trainer]:
     def build(model: nn.Module) -> Trainer:
         import thunder
 
-        from fsdp_pass import FSDP
-
-        from fsdp_pass import BySize
+        from fsdp_pass import FSDP, BySize, Schedule
 
         policy = BySize(int(units.split(":")[1])) if units.startswith("by_size:") else units
-        transform = FSDP(strategy, units=policy)
-        jm = thunder.jit(model, transforms=[transform], executors=thunder_executors())
+        schedule = None if prefetch is None else Schedule(prefetch=prefetch)
+        transform = FSDP(strategy, units=policy, schedule=schedule)
+        jm = thunder.jit(model, transforms=[transform], executors=thunder_executors(executors))
         return Trainer(jm, transform=transform)
 
     return build
@@ -177,6 +197,12 @@ def full_model_stats(trainer: Trainer) -> dict:
 def all_systems() -> list[System]:
     systems = [
         System("eager", build_eager, "none", note="eager: no communication, each rank trains alone on its own batches"),
+        System(
+            "thunder",
+            build_thunder,
+            "none",
+            note="thunder: plain thunder.jit, no communication (what Thunder's execution costs without FSDP)",
+        ),
         System("ddp", build_ddp, "replicated", extra_stats=full_model_stats),
         System(
             "fsdp2",
@@ -191,7 +217,8 @@ def all_systems() -> list[System]:
         note = THUNDER_ZERO3_NOTE if st == "ZERO3" else None
         systems.append(System(name, thunder_fsdp_builder(st, bucket), st.lower(), extra_stats=trace_stats, note=note))
     systems += [
-        System(name, ours_builder(st, units), st, extra_stats=trace_stats) for name, st, units in OURS_CONFIGS
+        System(name, ours_builder(*config), config[0], extra_stats=trace_stats, note=OURS_NOTES.get(name))
+        for name, *config in OURS_CONFIGS
     ]
     return systems
 

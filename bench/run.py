@@ -1,6 +1,6 @@
 """Benchmark FSDP/DDP systems training the same model on the same batches: 2 gloo ranks on CPU.
 
-    .venv/bin/python -m bench.run [--steps K] [--warmup W] [--layers L] [--world N] [--only a,b]
+    .venv/bin/python -m bench.run [--steps K] [--warmup W] [--layers L] [--world N] [--rounds R] [--only a,b]
 
 One invocation spawns N ranks (torch.multiprocessing, spawn; one CPU thread per rank). For each
 system, every rank builds the model from seed 0, wraps it, then:
@@ -12,11 +12,14 @@ system, every rank builds the model from seed 0, wraps it, then:
   4. one more step under the profiler: the collectives it issued and the bytes each rank sent
      (:mod:`bench.collectives`).
 
-Rank 0 prints one table. A system that fails (on build, compile or a step) prints its traceback on
+With ``--rounds R`` the whole sequence runs R times (systems rebuilt each round) and each row shows
+the medians over the rounds: the load of a shared 2-core host drifts over minutes, and a system
+measured once can land in a slow minute. Rank 0 prints one table. A system that fails (on build, compile or a step) prints its traceback on
 the failing rank and gets an ``error: ...`` row; the run goes on with the next system.
 
 Columns:
-  step ms        median step time (slowest rank per step)
+  step ms        median step time (slowest rank per step); with rounds, the median of the rounds'
+  spread         lowest-highest step ms over the rounds
   x fsdp2        step time / the ``fsdp2`` row's
   colls          collectives per step per rank, and the breakdown (AG all-gather, RS reduce-scatter,
                  AR all-reduce)
@@ -27,6 +30,9 @@ Columns:
   gloo ms        in the profiled step, the wall time during which at least one collective was
                  running in a gloo worker thread (includes waiting for the peer and the profiler's
                  overhead; overlaps compute where a system overlaps communication)
+  wait ms        per timed step, the host time the slowest rank spent blocked in ``fsdp_wait`` (the
+                 collectives compute did not hide); only for systems whose collectives run on
+                 fsdp_pass_executors' ``fsdp_comm`` ("—" for the others)
   first s        time of the first step (compile included)
   loss           mean over ranks of the loss at the last timed step (the same data and init for
                  every system, so sharded systems should agree with each other and with ddp)
@@ -51,6 +57,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fsdp_pass_executors import WAIT_CLOCK
 
 from bench.collectives import CommsProfiler
 from bench.model import Config, build_model, make_batch, param_count
@@ -67,13 +74,16 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps after the first step (W)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--world", type=int, default=2, help="number of gloo ranks")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="measure every system this many times, one after the other (R)"
+    )
     p.add_argument("--only", default=None, help="comma list of systems (a prefix such as 'ours' picks a family)")
     p.add_argument("--list", action="store_true", help="list the systems and exit")
     p.add_argument("--gloo-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--deadline", type=float, default=1800.0, help="kill all ranks after this many seconds")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.world < 1 or args.layers < 1:
-        p.error("need --steps >= 1, --warmup >= 0, --world >= 1, --layers >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.world < 1 or args.layers < 1 or args.rounds < 1:
+        p.error("need --steps >= 1, --warmup >= 0, --world >= 1, --layers >= 1, --rounds >= 1")
     return args
 
 
@@ -183,6 +193,7 @@ def run_system(index: int, system, args, coord: Coordinator) -> dict:
             dist.barrier()
             trainer.step(idx, tgt)
         times = []
+        WAIT_CLOCK.reset()
         for _ in range(args.steps):
             idx, tgt = batch()
             dist.barrier()
@@ -190,6 +201,7 @@ def run_system(index: int, system, args, coord: Coordinator) -> dict:
             loss = trainer.step(idx, tgt)
             times.append(time.perf_counter() - t0)
         res["times"], res["loss"] = times, loss
+        res["wait_ms"] = WAIT_CLOCK.seconds / args.steps * 1000 if WAIT_CLOCK.waits else None
         idx, tgt = batch()
         dist.barrier()
         with CommsProfiler(world) as cp:
@@ -240,10 +252,27 @@ def merge(per_rank: list[dict]) -> dict:
     out["step_ms"] = statistics.median(max(s) for s in steps) * 1000
     out["first_s"] = max(d["first_s"] for d in per_rank)
     out["loss"] = sum(d["loss"] for d in per_rank) / len(per_rank)
+    waits = [d["wait_ms"] for d in per_rank if d["wait_ms"] is not None]
+    out["wait_ms"] = max(waits) if waits else None
     out["comms"] = per_rank[0]["comms"]
     same = all(d["comms"]["count"] == out["comms"]["count"] for d in per_rank)
     out["comms_note"] = "" if same else " (ranks differ!)"
     out["extra"] = per_rank[0]["extra"]
+    return out
+
+
+def over_rounds(per_round: list[dict]) -> dict:
+    """One row from the rounds of a system: medians of the timings; the spread of the step time."""
+    failed = next((r for r in per_round if r["error"]), None)
+    if failed is not None:
+        return failed
+    out = dict(per_round[-1])
+    steps = [r["step_ms"] for r in per_round]
+    out["step_ms"] = statistics.median(steps)
+    out["spread"] = f"{min(steps):.0f}-{max(steps):.0f}" if len(steps) > 1 else "—"
+    out["first_s"] = statistics.median(r["first_s"] for r in per_round)
+    waits = [r["wait_ms"] for r in per_round if r["wait_ms"] is not None]
+    out["wait_ms"] = statistics.median(waits) if waits else None
     return out
 
 
@@ -267,6 +296,8 @@ def header(args, world: int) -> str:
     sizes = f"vocab {cfg.vocab}, d {cfg.d}, heads {cfg.n_head}, hidden {cfg.hidden}"
     params = f"P = {P:,} parameters (fp32, {P * BYTES_PER_PARAM / 1e6:.2f} MB)"
     steps = f"first step + {args.warmup} warm-up + {args.steps} timed (median) + 1 profiled (collectives)"
+    if args.rounds > 1:
+        steps += f", {args.rounds} rounds (medians over rounds)"
     lines = [
         f"command:  {cmd}",
         f"versions: {versions}",
@@ -287,7 +318,7 @@ def table(results: list[dict], world: int, P: int, notes: list[str] = ()) -> str
         for k in r.get("extra", {}) or {}:
             if k not in extra_cols:
                 extra_cols.append(k)
-    cols = ["system", "step ms", "x fsdp2", "colls", "breakdown", "MB/rank", "/Z2 floor", "gloo ms", "first s", "loss"]
+    cols = ["system", "step ms", "spread", "x fsdp2", "colls", "breakdown", "MB/rank", "/Z2 floor", "gloo ms", "wait ms", "first s", "loss"]
     cols += extra_cols
     rows = []
     for r in results:
@@ -300,12 +331,14 @@ def table(results: list[dict], world: int, P: int, notes: list[str] = ()) -> str
         row = [
             r["name"],
             f"{r['step_ms']:.1f}",
+            r.get("spread", "—"),
             f"{r['step_ms'] / ref['step_ms']:.2f}" if ref else "—",
             f"{c['total']}{r['comms_note']}",
             c["breakdown"] + unknown,
             f"{mb:.3f}",
             f"{c['ring_bytes'] / floor:.2f}" if floor else "—",
             f"{c['gloo_ms']:.1f}",
+            f"{r['wait_ms']:.1f}" if r["wait_ms"] is not None else "—",
             f"{r['first_s']:.2f}",
             f"{r['loss']:.4f}",
         ]
@@ -340,13 +373,15 @@ def rank_main(rank: int, world: int, port: int, args):
         systems = select(all_systems(), args.only)
         if rank == 0:
             print(header(args, world), flush=True)
-        results = []
-        for i, s in enumerate(systems):
-            t0 = time.perf_counter()
-            r = run_system(i, s, args, coord)
-            results.append(r)
-            status = f"error: {r['error']}" if r["error"] else f"{r['step_ms']:.1f} ms/step"
-            _log(rank, f"{s.name}: {status} ({time.perf_counter() - t0:.1f} s)")
+        rounds: list[list[dict]] = [[] for _ in systems]
+        for round_ in range(args.rounds):
+            for i, s in enumerate(systems):
+                t0 = time.perf_counter()
+                r = run_system(round_ * len(systems) + i, s, args, coord)
+                rounds[i].append(r)
+                status = f"error: {r['error']}" if r["error"] else f"{r['step_ms']:.1f} ms/step"
+                _log(rank, f"round {round_ + 1}/{args.rounds} {s.name}: {status} ({time.perf_counter() - t0:.1f} s)")
+        results = [over_rounds(rs) for rs in rounds]
         if rank == 0:
             P = param_count(build_model(seed=0, n_layer=args.layers))
             print()
