@@ -14,7 +14,9 @@ system, every rank builds the model from seed 0, wraps it, then:
 
 With ``--rounds R`` the whole sequence runs R times (systems rebuilt each round) and each row shows
 the medians over the rounds: the load of a shared 2-core host drifts over minutes, and a system
-measured once can land in a slow minute. Rank 0 prints one table. A system that fails (on build, compile or a step) prints its traceback on
+measured once can land in a slow minute. Rank 0 prints one table.
+
+A system that fails (on build, compile or a step) prints its traceback on
 the failing rank and gets an ``error: ...`` row; the run goes on with the next system.
 
 Columns:
@@ -318,7 +320,8 @@ def table(results: list[dict], world: int, P: int, notes: list[str] = ()) -> str
         for k in r.get("extra", {}) or {}:
             if k not in extra_cols:
                 extra_cols.append(k)
-    cols = ["system", "step ms", "spread", "x fsdp2", "colls", "breakdown", "MB/rank", "/Z2 floor", "gloo ms", "wait ms", "first s", "loss"]
+    cols = ["system", "step ms", "spread", "x fsdp2", "colls", "breakdown", "MB/rank", "/Z2 floor", "gloo ms"]
+    cols += ["wait ms", "first s", "loss"]
     cols += extra_cols
     rows = []
     for r in results:

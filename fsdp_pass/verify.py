@@ -52,7 +52,8 @@ def _lifetime_problem(trace) -> str | None:
         readers = readers_of.get(future, [])
         waits = [i for i in readers if is_wait(bsyms[i])]
         if len(waits) != 1 or len(readers) != 1:
-            return f"collective #{c} ({b.sym.name} -> {future}) is read by {len(readers)} op(s), {len(waits)} of them waits"
+            what = f"collective #{c} ({b.sym.name} -> {future})"
+            return f"{what} is read by {len(readers)} op(s), {len(waits)} of them waits"
         (w,) = waits
         if w < c:
             return f"collective #{c} ({future}) is waited for at #{w}, before it is issued"

@@ -133,8 +133,9 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
     # 3. gathers, in order of first use, after the wait `prefetch` gathers earlier
     gathers = sorted((c for c in wait_group if is_all_gather(bsyms[c])), key=lambda c: key[wait_group[c][0]])
     leading_kept = 0
-    while schedule.kept_units_first and leading_kept < len(gathers) and bsyms[gathers[leading_kept]].output.name in kept:
-        leading_kept += 1
+    if schedule.kept_units_first:
+        while leading_kept < len(gathers) and bsyms[gathers[leading_kept]].output.name in kept:
+            leading_kept += 1
     wait_keys = [key[wait_group[c][0]] for c in gathers]
     sizes = [_nbytes(bsyms[c].output) for c in gathers]
     issue_key = dict(zip(gathers, _gather_issue_keys(wait_keys, sizes, schedule, leading_kept)))
