@@ -37,7 +37,7 @@ from thunder.core.trace import TraceProvenance, from_trace
 from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
-from fsdp_pass.predicates import is_all_gather, is_collective, is_packing, is_return, is_wait
+from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_packing, is_return, is_wait
 from fsdp_pass.schedule import Schedule
 
 _EARLIEST = -math.inf
@@ -72,8 +72,9 @@ def _packing_group(c: int, bsyms, producer, consumers) -> list[int]:
     return sorted(group)
 
 
-def _unpacking_group(w: int, bsyms, consumers) -> tuple[list[int], list[int]]:
-    """``w`` and the packing ops reading only what it returns (transitively), and the other readers."""
+def _unpacking_group(w: int, bsyms, consumers) -> tuple[list[int], list[int], set[str]]:
+    """``w`` and the packing ops reading only what it returns (transitively), the other readers, and
+    the names of everything the group makes."""
     group, made_here, stack, readers = {w}, {o.name for o in bsyms[w].flat_proxy_outs}, [w], set()
     while stack:
         for o in bsyms[stack.pop()].flat_proxy_outs:
@@ -86,7 +87,7 @@ def _unpacking_group(w: int, bsyms, consumers) -> tuple[list[int], list[int]]:
                     stack.append(j)
                 else:
                     readers.add(j)
-    return sorted(group), sorted(readers - group)
+    return sorted(group), sorted(readers - group), made_here
 
 
 def _nbytes(proxy) -> int:
@@ -121,17 +122,21 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
 
     # 2. waits (and the ops cutting up their result) right before the first other use of it
     wait_group = {}  # collective index -> its wait and the ops cutting up the wait's result
+    use_order = {}  # collective index -> (first use, argument position there): the order of use
     for c, b in enumerate(bsyms):
         if is_collective(b):
             (w,) = [j for j in consumers.get(b.output.name, []) if is_wait(bsyms[j])]
-            group, readers = _unpacking_group(w, bsyms, consumers)
+            group, readers, made = _unpacking_group(w, bsyms, consumers)
             first_use = min(readers, default=ret)
             for j in group:
                 key[j] = (first_use - 0.5, 0)
             wait_group[c] = group
+            args = [p.name for p in bsyms[first_use].flat_proxy_args]
+            use_order[c] = (first_use, min((i for i, n in enumerate(args) if n in made), default=0))
 
-    # 3. gathers, in order of first use, after the wait `prefetch` gathers earlier
-    gathers = sorted((c for c in wait_group if is_all_gather(bsyms[c])), key=lambda c: key[wait_group[c][0]])
+    # 3. gathers, in order of use (a weight before the bias the same op reads), after the wait
+    #    `prefetch` gathers earlier
+    gathers = sorted((c for c in wait_group if is_all_gather(bsyms[c])), key=use_order.__getitem__)
     leading_kept = 0
     if schedule.kept_units_first:
         while leading_kept < len(gathers) and bsyms[gathers[leading_kept]].output.name in kept:
@@ -176,12 +181,22 @@ def _bound_reductions_in_flight(order, bsyms, producer, wait_group, limit) -> li
 
 
 def _priority_topological_order(bsyms, producer, key) -> list[int]:
-    """Kahn's algorithm taking, among the ops whose inputs are ready, the one with the smallest key."""
+    """Kahn's algorithm taking, among the ops whose inputs are ready, the one with the smallest key.
+
+    A packing or bookkeeping op (argument unpacking, shape ops) first takes the smallest key of what
+    reads it (``bsyms`` is in a valid order: its readers come after it), so a collective placed early
+    does not wait for the unpacking of its arguments behind other ops. Compute ops keep their keys:
+    compute is never moved.
+    """
     deps = [{producer[p.name] for p in b.flat_proxy_args if p.name in producer} - {i} for i, b in enumerate(bsyms)]
     users: list[list[int]] = [[] for _ in bsyms]
     for i, ds in enumerate(deps):
         for d in ds:
             users[d].append(i)
+    key = list(key)
+    for i in reversed(range(len(bsyms))):
+        if is_packing(bsyms[i]) or is_bookkeeping(bsyms[i]):
+            key[i] = min([key[i], *(key[u] for u in users[i])])
     waiting = [len(ds) for ds in deps]
     ready = [(key[i], i) for i in range(len(bsyms)) if not waiting[i]]
     heapq.heapify(ready)
