@@ -276,15 +276,20 @@ def test_executor_keeps_buffers_alive_until_the_wait():
     send = torch.arange(6.0)
     out = torch.empty(12)
     alive = weakref.ref(send)
-    flight = comm._issue(lambda o, i: _LateWork(), out, send)
+    comm.WAIT_CLOCK.reset(record=True)
+    flight = comm._issue(lambda o, i: _LateWork(), out, send, "all_gather")
     del send
     gc.collect()
     assert alive() is not None, "the send buffer was freed while its collective is in flight"
-    clock = comm.WAIT_CLOCK.waits
     result = comm._wait_impl(flight)
-    assert result is out and flight.work.waited and comm.WAIT_CLOCK.waits == clock + 1
+    assert result is out and flight.work.waited and comm.WAIT_CLOCK.waits == 1
     gc.collect()
     assert alive() is None, "the send buffer outlived its collective's wait"
+    # the timeline: one event, issued before its wait started, 12 gathered elements
+    (event,) = comm.WAIT_CLOCK.events
+    assert (event.kind, event.numel) == ("all_gather", 12)
+    assert event.issued <= event.wait_started <= event.wait_ended
+    comm.WAIT_CLOCK.reset()
 
 
 def test_schedule_settings_are_checked():
