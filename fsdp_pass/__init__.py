@@ -1,27 +1,30 @@
 """fsdp_pass: Fully Sharded Data Parallel (ZeRO-2 / ZeRO-3) as a trace pass for Lightning Thunder."""
 
 from fsdp_pass.errors import FSDPError
+from fsdp_pass.explain import Explanation, explain
+from fsdp_pass.fake_group import fake_process_group
 from fsdp_pass.layout import ShardLayout
 from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
 from fsdp_pass.schedule import Schedule
 from fsdp_pass.state_dict import full_state_dict, load_full_state_dict
 from fsdp_pass.transform import FSDP
 from fsdp_pass.unit_policies import Blocks, BySize, Groups, PerParameter
-from fsdp_pass.fake_group import fake_process_group
 
 __all__ = [
+    "FSDP",
     "Blocks",
     "BySize",
+    "Explanation",
+    "FSDPError",
     "Groups",
     "PerParameter",
     "Schedule",
-    "FSDP",
-    "FSDPError",
     "ShardLayout",
     "ShardingPlan",
     "Strategy",
     "Unit",
     "UnitPlan",
+    "explain",
     "fake_process_group",
     "full_state_dict",
     "load_full_state_dict",

@@ -49,8 +49,10 @@ def _materialize(module: torch.nn.Module, device: torch.device) -> None:
             continue
         check(
             hasattr(sub, "reset_parameters"),
-            lambda: f"Submodule {name or '<root>'!r} ({type(sub).__name__}) is on the meta device "
-            "and has no reset_parameters() to initialize it.",
+            lambda: (
+                f"Submodule {name or '<root>'!r} ({type(sub).__name__}) is on the meta device "
+                "and has no reset_parameters() to initialize it."
+            ),
             "Add a reset_parameters() method that initializes its parameters and buffers, "
             "or build the model on a real device.",
         )
@@ -63,8 +65,8 @@ def shard_module(thunder_module, group, strategy: Strategy, device, broadcast_fr
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     original = thunder_module._model
     device = resolve_device(original, device)
-    if any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
-        _materialize(original, device)
+    if device.type != "meta" and any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
+        _materialize(original, device)  # on the meta device itself (a dry run) nothing is allocated
         # to_empty made new tensors: point the ThunderModule at them
         thunder_module._overrides_parameters.update(original.named_parameters(remove_duplicate=False))
         thunder_module._overrides_buffers.update(original.named_buffers(remove_duplicate=False))

@@ -142,6 +142,12 @@ class FSDP(Transform):
             self._final_traces["forward"], self._final_traces.get("backward"), self._unit_of_collective
         )
 
+    def explain(self, optimizer="adam"):
+        """The per-unit table and per-rank totals of the latest compile (:func:`fsdp_pass.explain.explain`)."""
+        from fsdp_pass.explain import explain
+
+        return explain(self, optimizer=optimizer)
+
     # state dicts through ThunderModule.load_original_state_dict / original_state_dict
     def transform_state_dict_for_submodule(self, model, submodule_name, state_dict):
         prefix = f"{submodule_name}." if submodule_name else ""

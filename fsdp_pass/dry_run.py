@@ -1,0 +1,95 @@
+"""A dry run: the traces and the explanation of one FSDP training step at any world size, in one process,
+without allocating the model.
+
+``dry_run(module, args, world_size, strategy, ...) -> DryRun``
+
+1. The module and its example inputs live on the meta device: shapes and dtypes, no storage.
+2. A fake process group of ``world_size`` stands in for the ranks (nothing is communicated).
+3. ``thunder.jit(module, transforms=[FSDP(..., device="meta")])`` compiles the step as rank 0 would,
+   without running it: the same units, collectives, schedule and labels as a real run.
+4. :func:`fsdp_pass.explain.explain` reads the final traces: per-unit schedule, bytes, predicted memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import thunder
+import torch
+
+from fsdp_pass.errors import check
+from fsdp_pass.explain import Explanation
+from fsdp_pass.fake_group import fake_process_group
+from fsdp_pass.transform import FSDP
+
+
+@dataclass(frozen=True)
+class DryRun:
+    explanation: Explanation
+    forward: object  # the final forward trace
+    backward: object  # the final backward trace (None when nothing requires grad)
+    executors: tuple[str, ...]
+    compile_seconds: float
+
+    def write(self, folder: str | Path) -> list[Path]:
+        """Write ``forward_trace.py``, ``backward_trace.py`` and ``explain.txt`` into ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        files = {"explain.txt": str(self.explanation) + "\n", "forward_trace.py": str(self.forward) + "\n"}
+        if self.backward is not None:
+            files["backward_trace.py"] = str(self.backward) + "\n"
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        return [folder / name for name in files]
+
+
+def _on_meta(module: torch.nn.Module, args) -> tuple:
+    tensors = list(module.parameters()) + list(module.buffers())
+    check(
+        all(t.is_meta for t in tensors),
+        "A dry run traces a model on the meta device, and this one has tensors with storage.",
+        "Build it under `with torch.device('meta'):` (nothing is allocated), or use fsdp_pass.zoo.build(spec).",
+    )
+    return tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def dry_run(
+    module: torch.nn.Module,
+    args: tuple,
+    world_size: int,
+    strategy: str = "zero3",
+    *,
+    executors=None,
+    optimizer="adam",
+    **fsdp_kwargs,
+) -> DryRun:
+    """Compile one step of ``module(*args)`` as rank 0 of ``world_size`` ranks would, and explain it.
+
+    ``executors``: Thunder executors to lower with (default: this project's CPU list); ``fsdp_kwargs``
+    go to :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
+    """
+    from fsdp_pass_executors import executors_for
+
+    check(
+        isinstance(world_size, int) and world_size >= 1,
+        f"world_size must be a positive int, got {world_size!r}.",
+        "Pass the number of ranks to plan for, e.g. 64.",
+    )
+    args = _on_meta(module, args)
+    executors = executors if executors is not None else executors_for("cpu")
+    t0 = time.perf_counter()
+    with fake_process_group(world_size):
+        fsdp = FSDP(strategy, device="meta", **fsdp_kwargs)
+        jm = thunder.jit(module, transforms=[fsdp], executors=executors)
+        thunder.compile_data(jm).get_computation_and_inputs(*args)
+    seconds = time.perf_counter() - t0
+    traces = fsdp._final_traces
+    return DryRun(
+        fsdp.explain(optimizer),
+        traces["forward"],
+        traces.get("backward"),
+        tuple(e.name for e in executors),
+        seconds,
+    )

@@ -1,0 +1,284 @@
+"""``explain(...)``: what FSDP does to a model, unit by unit, and what it costs each rank per step.
+
+``print(explain(jitted_model))`` after one training step (or a dry run) prints
+
+1. per unit: its parameters, numel, sharded and unsharded bytes, padding, whether it is resharded
+   after forward, and for each of its collectives (forward all-gather, backward all-gather,
+   reduce-scatter) where it is issued and waited in the final trace (op positions) and the compute
+   that runs in between (estimated MFLOP; ``EXPOSED`` when none);
+2. per rank and step: bytes sent against the floor no ZeRO scheme can go below;
+3. per rank: predicted peak memory = sharded parameters + optimizer state + the step's peak (from the
+   traces, :mod:`fsdp_pass.memory`), with the peak split into gathered parameters, tensors saved for
+   the backward and everything else (activations, gradients, temporaries).
+
+``explain(plan)`` on a :class:`~fsdp_pass.plan.UnitPlan` alone prints the sizes and the floors: the
+schedule and the step's memory need the traces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_pass.errors import check, fail
+from fsdp_pass.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
+from fsdp_pass.overlap import CollectiveOverlap, overlap_report
+from fsdp_pass.plan import Strategy, UnitPlan, human_bytes
+from fsdp_pass.trace_stats import StepStats, floor_bytes, step_stats
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
+
+
+@dataclass(frozen=True)
+class UnitRow:
+    name: str
+    params: tuple[str, ...]
+    numel: int
+    shard_bytes: int  # per rank
+    unsharded_bytes: int
+    padding: int  # elements
+    reshard_after_forward: bool
+    forward_gathers: tuple[CollectiveOverlap, ...] = ()
+    backward_gathers: tuple[CollectiveOverlap, ...] = ()
+    reduce_scatters: tuple[CollectiveOverlap, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Per-rank bytes. ``peak`` = sharded parameters + optimizer state + the step's peak."""
+
+    sharded_params: int
+    optimizer_state: int
+    optimizer_states_per_element: int
+    gradient_shards: int  # allocated in the backward (part of the step's peak), kept until zero_grad
+    step: StepMemory | None  # None: explained from a plan, without traces
+
+    @property
+    def before_step(self) -> int:
+        return self.sharded_params + self.optimizer_state
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.step is None else self.before_step + self.step.peak_bytes
+
+
+@dataclass(frozen=True)
+class Explanation:
+    plan: UnitPlan
+    units: tuple[UnitRow, ...]
+    memory: MemoryPrediction
+    stats: StepStats | None  # the collectives of the traces; None for a plan alone
+    param_bytes: int  # all parameters, unsharded
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.sharding.world_size
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.sharding.strategy
+
+    @property
+    def floor_bytes_per_rank(self) -> float:
+        """What no ZeRO scheme goes below: every parameter gathered once and reduce-scattered once."""
+        return floor_bytes(self.param_bytes, self.world_size, 1)
+
+    @property
+    def textbook_bytes_per_rank(self) -> float:
+        """The textbook cost of the strategy: ZeRO-2 gathers every parameter once, ZeRO-3 twice."""
+        return floor_bytes(self.param_bytes, self.world_size, 2 if self.strategy is Strategy.ZERO3 else 1)
+
+    @property
+    def bytes_per_rank(self) -> float | None:
+        return None if self.stats is None else self.stats.bytes_per_rank
+
+    def __str__(self) -> str:
+        return "\n".join([*self._unit_table(), "", *self._totals()])
+
+    def _unit_table(self) -> list[str]:
+        sp = self.plan.sharding
+        head = (
+            f"FSDP explain: strategy={sp.strategy.value} world_size={sp.world_size} "
+            f"units={len(self.units)} policy={self.plan.policy}"
+        )
+        cols = ("unit", "params", "numel", "shard/rank", "unsharded", "pad", "reshard")
+        if self.stats is not None:
+            cols += ("fwd gather issue..wait", "bwd gather", "reduce-scatter")
+        rows = []
+        for u in self.units:
+            row = (
+                u.name,
+                str(len(u.params)),
+                f"{u.numel:,}",
+                human_bytes(u.shard_bytes),
+                human_bytes(u.unsharded_bytes),
+                f"{u.padding:,}",
+                "yes" if u.reshard_after_forward else "no",
+            )
+            if self.stats is not None:
+                row += tuple(_collective_cell(c) for c in (u.forward_gathers, u.backward_gathers, u.reduce_scatters))
+            rows.append(row)
+        return [head, *_table(cols, rows)] + (
+            ["(issue..wait: op positions in the final trace, then the estimated FLOPs computed in between)"]
+            if self.stats is not None
+            else []
+        )
+
+    def _totals(self) -> list[str]:
+        n, m = self.world_size, self.memory
+        lines = [f"Per rank and step (world size {n}, ring model: a collective of S bytes sends (N-1)/N*S):"]
+        floor = self.floor_bytes_per_rank
+        if self.stats is not None:
+            sent = self.stats.bytes_per_rank
+            lines.append(
+                f"  communicated  {human_bytes(int(sent)):>10}  in {self.stats.breakdown()}"
+                f"  ({sent / floor:.2f}x the floor)"
+            )
+        lines.append(
+            f"  floor         {human_bytes(int(floor)):>10}  (each of the {human_bytes(self.param_bytes)} "
+            "of parameters gathered once and reduce-scattered once)"
+        )
+        if self.strategy is Strategy.ZERO3:
+            lines.append(
+                f"  ZeRO-3 book   {human_bytes(int(self.textbook_bytes_per_rank)):>10}  (gathered again in "
+                "the backward; this pass skips units the backward does not read, and the last unit)"
+            )
+        lines.append("Predicted memory per rank:")
+        lines.append(f"  sharded parameters      {human_bytes(m.sharded_params):>10}")
+        lines.append(
+            f"  optimizer state         {human_bytes(m.optimizer_state):>10}  "
+            f"({m.optimizer_states_per_element} state(s) per trainable element, e.g. Adam 2, SGD+momentum 1)"
+        )
+        if m.step is None:
+            lines.append("  step peak               (needs the traces: explain a jitted model after one step)")
+            return lines
+        s = m.step
+        kinds = s.peak_by_kind
+        lines.append(f"  step peak               {human_bytes(s.peak_bytes):>10}  (in the {s.peak_phase})")
+        lines.append(f"    gathered parameters   {human_bytes(kinds.get(GATHERED, 0)):>10}")
+        lines.append(f"    saved for backward    {human_bytes(kinds.get(SAVED, 0)):>10}")
+        lines.append(f"    activations, grads    {human_bytes(kinds.get(OTHER, 0)):>10}")
+        lines.append(f"  peak                    {human_bytes(m.peak):>10}")
+        lines.append(
+            f"  (the forward saves {human_bytes(s.saved_bytes)} for the backward, of which "
+            f"{human_bytes(s.saved_gathered_bytes)} gathered parameters; peak unsharded parameters at any "
+            f"moment {human_bytes(self.stats.peak_gathered_bytes)}; gradient shards "
+            f"{human_bytes(m.gradient_shards)} stay until zero_grad)"
+        )
+        return lines
+
+
+def _collective_cell(collectives: tuple[CollectiveOverlap, ...]) -> str:
+    if not collectives:
+        return "-"
+    cells = []
+    for c in collectives:
+        overlap = "EXPOSED" if c.exposed else _flops(c.flops_between)
+        cells.append(f"{c.issued_at}..{c.waited_at} {overlap}")
+    return "; ".join(cells)
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("TF", 1e12), ("GF", 1e9), ("MF", 1e6), ("kF", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} F"
+
+
+def _table(cols, rows) -> list[str]:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*cols).rstrip(), fmt.format(*("-" * w for w in widths))] + [
+        fmt.format(*r).rstrip() for r in rows
+    ]
+
+
+def _optimizer_states(optimizer) -> int:
+    if isinstance(optimizer, int) and optimizer >= 0:
+        return optimizer
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATES:
+        return OPTIMIZER_STATES[optimizer.lower()]
+    fail(
+        f"Unknown optimizer {optimizer!r} for the memory prediction.",
+        f"Pass one of {sorted(OPTIMIZER_STATES)}, or the number of parameter-sized states it keeps per element.",
+    )
+
+
+def explain_traces(
+    plan: UnitPlan,
+    forward=None,
+    backward=None,
+    unit_of_collective: dict | None = None,
+    optimizer="adam",
+) -> Explanation:
+    """The explanation of ``plan`` and, when given, the final forward / backward traces of a step."""
+    sharding = plan.sharding
+    owners = sharding.owners()
+    shard_bytes = sum(p.layout.shard_numel * p.itemsize for p in owners)
+    trainable_shard_bytes = sum(p.layout.shard_numel * p.itemsize for p in owners if p.requires_grad)
+    states = _optimizer_states(optimizer)
+
+    overlaps = overlap_report(forward, backward, unit_of_collective).rows if forward is not None else ()
+    rows = []
+    for u in plan.units:
+        numel, shard_numel, pad = plan.unit_numel(u)
+        itemsize = plan.unit_itemsize(u)
+        mine = [c for c in overlaps if c.unit == u.name]
+        rows.append(
+            UnitRow(
+                u.name,
+                u.params,
+                numel,
+                shard_numel * itemsize,
+                shard_numel * itemsize * sharding.world_size,
+                pad,
+                u.reshard_after_forward,
+                tuple(c for c in mine if c.phase == "forward" and c.kind == "all-gather"),
+                tuple(c for c in mine if c.phase == "backward" and c.kind == "all-gather"),
+                tuple(c for c in mine if c.kind == "reduce-scatter"),
+            )
+        )
+    memory = MemoryPrediction(
+        sharded_params=shard_bytes,
+        optimizer_state=states * trainable_shard_bytes,
+        optimizer_states_per_element=states,
+        gradient_shards=trainable_shard_bytes,
+        step=step_memory(forward, backward) if forward is not None else None,
+    )
+    stats = step_stats(forward, backward, sharding.world_size) if forward is not None else None
+    param_bytes = sum(p.layout.numel * p.itemsize for p in owners)
+    return Explanation(plan, tuple(rows), memory, stats, param_bytes)
+
+
+def explain(target, *, optimizer="adam") -> Explanation:
+    """Explain a model jitted with :class:`~fsdp_pass.FSDP` (after its first step), an ``FSDP``
+    transform, or a :class:`~fsdp_pass.plan.UnitPlan`.
+
+    ``optimizer``: for the optimizer-state estimate, ``"adam"`` (2 parameter-sized states per
+    trainable element), ``"sgd_momentum"`` (1), ``"sgd"`` (0), or a number of states.
+    """
+    from fsdp_pass.transform import FSDP
+
+    if isinstance(target, UnitPlan):
+        return explain_traces(target, optimizer=optimizer)
+    fsdp = target if isinstance(target, FSDP) else _fsdp_of(target)
+    check(
+        fsdp.unit_plan is not None and "forward" in fsdp._final_traces,
+        "explain() reads the traces of a compiled step, and this model has not been compiled yet.",
+        "Run one step first (loss = jm(x); loss.backward()), or use `python -m fsdp_pass explain` for a dry run.",
+    )
+    traces = fsdp._final_traces
+    return explain_traces(
+        fsdp.unit_plan, traces["forward"], traces.get("backward"), fsdp._unit_of_collective, optimizer
+    )
+
+
+def _fsdp_of(jitted):
+    from fsdp_pass.transform import FSDP
+
+    found = [t for t in getattr(jitted, "_lc_transforms", ()) if isinstance(t, FSDP)]
+    check(
+        len(found) == 1,
+        lambda: f"explain() needs a model jitted with fsdp_pass.FSDP; got {type(jitted).__name__}.",
+        "Pass thunder.jit(model, transforms=[FSDP(...)]), the FSDP transform itself, or a UnitPlan.",
+    )
+    return found[0]

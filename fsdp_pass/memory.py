@@ -1,0 +1,207 @@
+"""Predicted memory of one training step, read off the final forward and backward traces.
+
+``step_memory(forward, backward) -> StepMemory``: the peak of tensor bytes a step allocates on top of
+what lives before it (the sharded parameters, the optimizer state, the input batch).
+
+The traces are executed in order, so every tensor's lifetime is visible. Each op's result is followed
+as a *buffer*:
+
+1. an op that computes writes a new buffer of its result's size;
+2. a view or re-layout (reshape, slice, transpose, ...) shares its input's buffer; reshaping a
+   non-contiguous tensor copies, so it writes a new one;
+3. an all-gather writes its full gathered buffer when issued, and holds its send buffer until its wait
+   (the executor keeps it alive while the collective runs); a reduce-scatter writes its shard and holds
+   the full gradient buffer it reads likewise; a wait hands on the collective's result;
+4. a buffer is freed after the last op that reads any name sharing it. What the forward returns (its
+   output and what it saves for the backward) lives on into the backward, until the backward's last
+   use of it; what the backward returns (the gradient shards) lives to the end of the step.
+
+Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
+(all-gather results and copies cut from them), ``saved`` (forward results kept for the backward, in
+the backward) and ``other`` (activations, gradients, temporaries).
+
+Not modelled: scratch memory inside one op (e.g. a matmul's workspace), allocator rounding and
+fragmentation, and the process group's own memory (gloo copies each collective's full buffer into
+scratch on its worker thread while the collective runs; NCCL works in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core.proxies import TensorProxy
+
+from fsdp_pass.predicates import (
+    is_all_gather,
+    is_all_reduce,
+    is_bookkeeping,
+    is_getitem,
+    is_reduce_scatter,
+    is_reshape,
+    is_return,
+    is_slice,
+    is_view_like,
+    is_wait,
+)
+
+GATHERED, SAVED, OTHER = "gathered", "saved", "other"
+
+
+def tensor_bytes(proxy) -> int:
+    return int(proxy.numel) * proxy.dtype.bytes
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str  # the proxy that first held it
+    nbytes: int
+    kind: str  # GATHERED, SAVED or OTHER
+    start: int  # index of the op that writes it (-1: carried in from the forward)
+    end: int  # index of the last op that reads it (len(trace) when it outlives the trace)
+
+
+@dataclass(frozen=True)
+class TraceMemory:
+    """Every buffer a trace allocates (or carries in), and the peak of their sum."""
+
+    buffers: tuple[Buffer, ...]
+    peak_bytes: int
+    peak_at: int  # index of the op at which the peak is reached
+    peak_by_kind: dict  # kind -> bytes live at the peak
+    handed_on: dict  # returned tensor name -> its Buffer (what the next trace receives)
+
+    def live_at(self, i: int) -> int:
+        return sum(b.nbytes for b in self.buffers if b.start <= i <= b.end)
+
+
+def _contiguous_after(bsym, src_contiguous: bool, src_shape) -> bool:
+    """Is the view's result still contiguous?"""
+    if is_reshape(bsym):
+        return True  # a reshape of a contiguous tensor is; of a non-contiguous one, it copied
+    if is_slice(bsym):
+        if is_getitem(bsym):
+            key = bsym.args[1] if isinstance(bsym.args[1], tuple) else (bsym.args[1],)
+            rows_only = all(isinstance(k, slice) and k == slice(None) for k in key[1:])
+        else:
+            start, end = bsym.args[1], bsym.args[2]
+            rows_only = all(s == 0 and e == n for s, e, n in list(zip(start, end, src_shape))[1:])
+        return src_contiguous and rows_only
+    return False  # transpose, permute, expand, broadcast: strided views
+
+
+def trace_memory(trace, carried_in: dict[str, Buffer] | None = None) -> TraceMemory:
+    """Follow every buffer of ``trace``. ``carried_in``: name -> Buffer the trace receives live."""
+    bsyms = trace.bound_symbols
+    carried_in = carried_in or {}
+    buffer_of: dict[str, str] = {}  # tensor / future name -> buffer id
+    held_by_future: dict[str, str] = {}  # future name -> the send buffer it keeps alive
+    contiguous: dict[str, bool] = {}
+    size, kind, start, last = {}, {}, {}, {}
+    handed_on_names: set[str] = set()
+
+    for name, buf in carried_in.items():
+        buffer_of[name], contiguous[name] = buf.name, True
+        if buf.name not in size:
+            size[buf.name], kind[buf.name], start[buf.name], last[buf.name] = buf.nbytes, SAVED, -1, -1
+
+    def new_buffer(proxy, i, k=OTHER):
+        buffer_of[proxy.name], contiguous[proxy.name] = proxy.name, True
+        size[proxy.name], kind[proxy.name], start[proxy.name], last[proxy.name] = tensor_bytes(proxy), k, i, i
+
+    for i, b in enumerate(bsyms):
+        read = [p for p in b.flat_proxy_args if p.name in buffer_of]
+        for p in read:
+            last[buffer_of[p.name]] = max(last[buffer_of[p.name]], i)
+            if p.name in held_by_future:
+                last[held_by_future[p.name]] = max(last[held_by_future[p.name]], i)
+        if is_return(b):
+            handed_on_names.update(p.name for p in read)
+            continue
+        if is_bookkeeping(b):  # unpacking the saved list or a shallow copy: the same tensors under new names
+            outs = [o for o in b.flat_proxy_outs if isinstance(o, TensorProxy)]
+            srcs = [p for p in read if isinstance(p, TensorProxy)]
+            for o in outs:
+                if o.name not in buffer_of and len(srcs) == 1:
+                    buffer_of[o.name], contiguous[o.name] = buffer_of[srcs[0].name], contiguous[srcs[0].name]
+            continue
+        if is_all_gather(b) or is_reduce_scatter(b) or is_all_reduce(b):
+            new_buffer(b.output, i, GATHERED if is_all_gather(b) else OTHER)
+            send = b.flat_proxy_args[0]
+            if send.name in buffer_of:
+                held_by_future[b.output.name] = buffer_of[send.name]
+            continue
+        if is_wait(b):
+            fut = b.args[0]
+            buffer_of[b.output.name], contiguous[b.output.name] = buffer_of[fut.name], True
+            continue
+        if is_view_like(b) and len(read) == 1:
+            (src,) = read
+            if is_reshape(b) and not contiguous[src.name]:
+                new_buffer(b.output, i, kind[buffer_of[src.name]])  # a copy, of the same kind of data
+                continue
+            for o in b.flat_proxy_outs:
+                buffer_of[o.name] = buffer_of[src.name]
+                contiguous[o.name] = _contiguous_after(b, contiguous[src.name], src.shape)
+            continue
+        if is_view_like(b):  # a view of something not followed (a parameter shard, the input batch)
+            continue
+        for o in b.flat_proxy_outs:
+            if isinstance(o, TensorProxy):
+                new_buffer(o, i)
+
+    end = len(bsyms)
+    returned_buffers = {buffer_of[n] for n in handed_on_names}
+    buffers = tuple(Buffer(k, size[k], kind[k], start[k], end if k in returned_buffers else last[k]) for k in size)
+    peak, peak_at, peak_by_kind = _peak(buffers)
+    by_id = {buf.name: buf for buf in buffers}
+    handed_on = {n: by_id[buffer_of[n]] for n in handed_on_names}
+    return TraceMemory(buffers, peak, peak_at, peak_by_kind, handed_on)
+
+
+def _peak(buffers) -> tuple[int, int, dict]:
+    events = sorted([(b.start, b.nbytes) for b in buffers] + [(b.end + 1, -b.nbytes) for b in buffers])
+    live = peak = 0
+    peak_at = 0
+    for at, delta in events:
+        live += delta
+        if live > peak:
+            peak, peak_at = live, at
+    by_kind: dict[str, int] = {}
+    for b in buffers:
+        if b.start <= peak_at <= b.end:
+            by_kind[b.kind] = by_kind.get(b.kind, 0) + b.nbytes
+    return peak, peak_at, by_kind
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes a forward + backward allocates above what lives before the step."""
+
+    forward: TraceMemory
+    backward: TraceMemory | None
+    saved_bytes: int  # what the forward keeps for the backward (gathered parameters included)
+    saved_gathered_bytes: int  # of which gathered parameters (ZeRO-2, and units not resharded)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward.peak_bytes, self.backward.peak_bytes if self.backward else 0)
+
+    @property
+    def peak_phase(self) -> str:
+        return "backward" if self.backward and self.backward.peak_bytes > self.forward.peak_bytes else "forward"
+
+    @property
+    def peak_by_kind(self) -> dict:
+        return (self.backward if self.peak_phase == "backward" else self.forward).peak_by_kind
+
+
+def step_memory(forward, backward=None) -> StepMemory:
+    fwd = trace_memory(forward)
+    saved = {buf.name: buf for buf in fwd.handed_on.values()}
+    bwd = trace_memory(backward, fwd.handed_on) if backward is not None else None
+    return StepMemory(
+        fwd,
+        bwd,
+        sum(b.nbytes for b in saved.values()),
+        sum(b.nbytes for b in saved.values() if b.kind == GATHERED),
+    )

@@ -1,0 +1,164 @@
+"""Built-in models: a Llama-style decoder LM in named sizes, for dry runs, the benchmark and the notebooks.
+
+``build(spec, device="meta") -> (module, example_args)``: ``spec`` names a config in :data:`CONFIGS`
+(``llama2-7b`` is Llama-2-7B's shape: 6.74 B parameters) or is ``"package.module:factory"``, a
+function of no arguments returning ``(module, example_args)``. Built on the meta device nothing is
+allocated, so a 7B model fits a laptop; the dry run traces it as it is.
+
+The model: token embedding -> N decoder layers (RMSNorm, causal attention with q/k/v/o projections,
+RMSNorm, SwiGLU MLP) -> final RMSNorm -> lm_head (not tied). No biases, no positional encoding (it
+adds no parameters and no communication; causal attention alone still learns the benchmark's toy
+language). :class:`WithLoss` puts the cross-entropy inside the module, so the traces (and the memory
+predicted from them) cover the whole step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_pass.errors import check, fail
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab: int = 512
+    d: int = 128
+    n_head: int = 4
+    hidden: int = 352
+    n_layer: int = 4
+    seq: int = 64
+    local_batch: int = 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.n_head
+        q = self.q(x).view(B, T, h, C // h).transpose(1, 2)
+        k = self.k(x).view(B, T, h, C // h).transpose(1, 2)
+        v = self.v(x).view(B, T, h, C // h).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, d: int, n_head: int, hidden: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(d)
+        self.attn = Attention(d, n_head)
+        self.mlp_norm = RMSNorm(d)
+        self.mlp = SwiGLU(d, hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaLM(nn.Module):
+    def __init__(self, cfg: Config = Config()):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.d)
+        self.layers = nn.ModuleList(DecoderLayer(cfg.d, cfg.n_head, cfg.hidden) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d)
+        self.lm_head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+class WithLoss(nn.Module):
+    """``model(idx)`` followed by the next-token cross-entropy: ``forward(idx, targets) -> loss``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets):
+        return lm_loss(self.model(idx), targets)
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+CONFIGS = {
+    "tiny": Config(vocab=64, d=32, n_head=2, hidden=64, n_layer=2, seq=16, local_batch=2),
+    "bench": Config(),
+    "llama2-7b": Config(vocab=32000, d=4096, n_head=32, hidden=11008, n_layer=32, seq=4096, local_batch=1),
+    "llama2-13b": Config(vocab=32000, d=5120, n_head=40, hidden=13824, n_layer=40, seq=4096, local_batch=1),
+}
+
+
+def build(spec: str, device: str | torch.device = "meta", **overrides):
+    """(module, example_args) for ``spec`` on ``device``; ``overrides`` change fields of a named config."""
+    if ":" in spec:
+        return _from_factory(spec, device)
+    check(
+        spec in CONFIGS,
+        lambda: f"Unknown model {spec!r}.",
+        f"Name one of {sorted(CONFIGS)}, or give 'package.module:factory' (a function returning (module, args)).",
+    )
+    cfg = replace(CONFIGS[spec], **{k: v for k, v in overrides.items() if v is not None})
+    with torch.device(device):
+        module = WithLoss(LlamaLM(cfg))
+        idx = torch.zeros(cfg.local_batch, cfg.seq, dtype=torch.long)
+    return module, (idx, idx.clone())
+
+
+def _from_factory(spec: str, device):
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        fail(f"Cannot load the model factory {spec!r}: {e}.", "Give 'package.module:function', importable here.")
+    with torch.device(device):
+        built = factory()
+    check(
+        isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module),
+        lambda: f"The factory {spec!r} returned {type(built).__name__}, not (module, example_args).",
+        "Return a tuple (torch.nn.Module, tuple of example inputs) from the factory.",
+    )
+    module, args = built
+    return module, tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,88 @@
+"""Rank functions for the explain tests: a real gloo step, measured (module-level so spawned ranks import them)."""
+
+from __future__ import annotations
+
+import thunder
+import torch
+import torch.distributed as dist
+
+from fsdp_pass import FSDP, explain, zoo
+from fsdp_pass.measure import allocated_during
+from fsdp_pass_executors import executors_for
+
+# small enough for a few seconds per step on 2 CPU ranks, big enough that every unit's bytes show
+CONFIG = dict(vocab=256, d=64, n_head=4, hidden=176, n_layer=2, seq=32, local_batch=2)
+
+
+def build_model(device="cpu"):
+    """The model of these tests, with its loss inside (so the traces cover the whole step), and a batch."""
+    torch.manual_seed(0)
+    module, (idx, _) = zoo.build("tiny", device, **CONFIG)
+    if device == "meta":
+        return module, (idx, idx)
+    g = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    idx = torch.randint(0, CONFIG["vocab"], idx.shape, generator=g)
+    return module, (idx, torch.roll(idx, -1, dims=1))
+
+
+class _RecordCollectives:
+    """Record the size of every all-gather and reduce-scatter handed to torch.distributed."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []  # (kind, bytes of the full buffer)
+
+    def __enter__(self):
+        self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+        gather, scatter = self._saved
+
+        def all_gather(out, inp, *a, **k):
+            self.calls.append(("all_gather", out.numel() * out.element_size()))
+            return gather(out, inp, *a, **k)
+
+        def reduce_scatter(out, inp, *a, **k):
+            self.calls.append(("reduce_scatter", inp.numel() * inp.element_size()))
+            return scatter(out, inp, *a, **k)
+
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = all_gather, reduce_scatter
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self._saved
+
+
+def measured_step(strategy: str, measured_steps: int = 3):
+    """Train a few steps with AdamW; measure the collectives and the allocations of the last ones."""
+    world_size = dist.get_world_size()
+    module, args = build_model()
+    jm = thunder.jit(module, transforms=[FSDP(strategy)], executors=executors_for("cpu"))
+    opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
+
+    def step():
+        jm(*args).backward()
+
+    peaks, calls = [], []
+    for i in range(2 + measured_steps):  # two warm-up steps: compile, then the optimizer's state exists
+        opt.zero_grad(set_to_none=True)
+        if i < 2:
+            step()
+        else:
+            with _RecordCollectives() as rec:
+                allocations = allocated_during(step)
+            peaks.append(allocations.peak_bytes)
+            calls.append(rec.calls)
+        opt.step()
+    e = explain(jm, optimizer="adam")
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {
+        "measured_peaks": peaks,
+        "measured_bytes_sent": [sum(b for _, b in c) * (world_size - 1) / world_size for c in calls],
+        "measured_kinds": [sorted(k for k, _ in c) for c in calls],
+        "measured_param_bytes": sum(p.numel() * p.element_size() for p in jm.parameters()),
+        "measured_optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+        "predicted_peak": e.memory.step.peak_bytes,
+        "predicted_bytes_sent": e.bytes_per_rank,
+        "predicted_kinds": sorted(c.kind for c in e.stats.collectives),
+        "predicted_param_bytes": e.memory.sharded_params,
+        "predicted_optimizer_bytes": e.memory.optimizer_state,
+        "text": str(e),
+    }
