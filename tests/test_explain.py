@@ -130,6 +130,25 @@ def test_memory_prediction_follows_views_and_lifetimes():
     assert all(b.end < len(dry.forward.bound_symbols) for b in gathered)
 
 
+def test_every_inserted_op_is_labelled_in_the_printed_traces():
+    """Pack, all-gather, wait, parameter cuts; pre-division, reduce-scatter: each names its unit."""
+    module, args = explain_cases.build_model("meta")
+    dry = dry_run(module, args, 4, "zero3")
+    forward, backward = str(dry.forward), str(dry.backward)
+    for u in dry.explanation.units:
+        many = len(u.params) > 1
+        pack = f"# [fsdp] unit {u.name!r}: " + ("pack" if many else "flatten the shard")
+        assert pack in forward
+        assert f"# [fsdp] unit {u.name!r} all-gather: {len(u.params)} param(s)" in forward
+        assert f"# [fsdp] wait: unit {u.name!r} all-gather" in forward
+        for p in u.params:
+            cut = f"cut out {p}" if many else f"{p} is a view of the gathered buffer"
+            assert f"# [fsdp] unit {u.name!r}: {cut}" in forward, cut
+        assert f"# [fsdp] unit {u.name!r}: gradients pre-divided by the world size 4" in backward
+        assert f"# [fsdp] unit {u.name!r} reduce-scatter grads" in backward
+        assert f"# [fsdp] wait: unit {u.name!r} reduce-scatter grads" in backward
+
+
 def test_cli_dry_run_of_a_7b_shaped_model_at_world_64(tmp_path, capsys):
     """Llama-2-7B's widths (4 of its 32 layers, to keep the suite fast; the full model compiles in ~90 s)."""
     argv = ["explain", "--world-size", "64", "--strategy", "zero3", "--model", "llama2-7b", "--layers", "4"]

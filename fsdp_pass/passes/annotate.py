@@ -8,7 +8,9 @@ are put back on the final forward and backward traces:
 1. an all-gather's unit: walk its input back through producers to the parameter shards it packs;
 2. a reduce-scatter's unit: walk its result forward through consumers to the gradients the trace
    returns (position ``i`` of the backward's return is the gradient of forward argument ``i``);
-3. each collective and its wait get a header line: unit, kind, parameters, bytes per rank.
+3. each collective and its wait get a header line: unit, kind, parameters, bytes per rank; the op
+   that packs the unit's flat send buffer, the pre-division of gradients by the world size, and each
+   op that cuts a parameter out of a gathered buffer get a shorter one naming the unit (and parameter).
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from thunder.core.proxies import Proxy
 from thunder.core.trace import TraceProvenance, from_trace
 
 from fsdp_pass.plan import UnitPlan, collective_label
-from fsdp_pass.predicates import is_all_gather, is_reduce_scatter, is_return, is_wait
+from fsdp_pass.predicates import (
+    is_all_gather,
+    is_getitem,
+    is_packing,
+    is_reduce_scatter,
+    is_reshape,
+    is_return,
+    is_view_like,
+    is_wait,
+)
 
 
 def _roots(proxy, producers, stop: set[str]) -> set[str]:
@@ -90,11 +101,65 @@ def units_of_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], ar
     return found
 
 
+def _is_division(bsym) -> bool:
+    return str(bsym.sym.name) in ("true_divide", "div")
+
+
+def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
+    """Headers for the ops that build each collective's send buffer: id(bsym) -> header."""
+    producers = utils.producers(trace)
+    headers = {}
+    for bsym in trace.bound_symbols:
+        if not (is_all_gather(bsym) or is_reduce_scatter(bsym)) or bsym.output.name not in found:
+            continue
+        unit, _ = found[bsym.output.name]
+        op = producers.get(bsym.flat_proxy_args[0], None)
+        if op is not None and _is_division(op):
+            headers[id(op)] = (
+                f"[fsdp] unit {unit.name!r}: gradients pre-divided by the world size "
+                f"{plan.sharding.world_size} (the reduce-scatter sums)"
+            )
+            op = producers.get(op.flat_proxy_args[0], None)
+        if op is not None and is_packing(op):
+            what = "gradient" if is_reduce_scatter(bsym) else "shard"
+            n = len(unit.params)
+            headers[id(op)] = (
+                f"[fsdp] unit {unit.name!r}: pack {n} {what}s into one flat buffer"
+                if n > 1
+                else f"[fsdp] unit {unit.name!r}: flatten the {what}"
+            )
+    return headers
+
+
+def _unpacking_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
+    """Headers for the ops that cut each parameter out of a gathered buffer: id(bsym) -> header."""
+    consumers = utils.consumers(trace)
+    headers = {}
+    for bsym in trace.bound_symbols:
+        if not is_wait(bsym) or found.get(bsym.args[0].name, (None, ""))[1] != "all-gather":
+            continue
+        unit, _ = found[bsym.args[0].name]
+        offsets, offset = {}, 0
+        for name in unit.params:
+            offsets[offset] = name
+            offset += plan.sharding.param(name).layout.shard_numel
+        for first in consumers.get(bsym.output, []):
+            if len(unit.params) == 1 and is_view_like(first):
+                headers[id(first)] = f"[fsdp] unit {unit.name!r}: {unit.params[0]} is a view of the gathered buffer"
+            elif is_reshape(first):  # the (world size, flat shard) matrix each parameter is a column block of
+                for cut in consumers.get(first.output, []):
+                    key = cut.args[1] if is_getitem(cut) and isinstance(cut.args[1], tuple) else None
+                    if key and len(key) == 2 and isinstance(key[1], slice) and key[1].start in offsets:
+                        headers[id(cut)] = f"[fsdp] unit {unit.name!r}: cut out {offsets[key[1].start]}"
+    return headers
+
+
 def annotate_collectives(trace, plan: UnitPlan, found: dict):
     """``found``: what :func:`units_of_collectives` returns for ``trace``."""
     headers = {name: _label(plan, unit, kind) for name, (unit, kind) in found.items()}
     if not headers:
         return trace
+    op_headers = {**_packing_headers(trace, found, plan), **_unpacking_headers(trace, found, plan)}
     new = from_trace(trace)
     for bsym in trace.bound_symbols:
         out = bsym.output if isinstance(bsym.output, Proxy) else None
@@ -102,6 +167,8 @@ def annotate_collectives(trace, plan: UnitPlan, found: dict):
             bsym = bsym.from_bsym(header=headers[out.name])
         elif is_wait(bsym) and bsym.args[0].name in headers:
             bsym = bsym.from_bsym(header=headers[bsym.args[0].name].replace("[fsdp]", "[fsdp] wait:", 1))
+        elif id(bsym) in op_headers:
+            bsym = bsym.from_bsym(header=op_headers[id(bsym)])
         new.bound_symbols.append(bsym)
     new.set_provenance(TraceProvenance("fsdp_pass: label collectives with their units"))
     return new
