@@ -1,4 +1,7 @@
-"""Measure what a real step allocates, to hold :mod:`fsdp_pass.memory`'s prediction against.
+"""Measure what a real step allocates and communicates, to hold :func:`fsdp_pass.explain`'s predictions against.
+
+``CollectiveBytes()``: a context that records the full buffer of every all-gather and reduce-scatter
+handed to ``torch.distributed`` while it is open, and the bytes each rank sends for them (ring model).
 
 ``allocated_during(fn) -> Allocations``: run ``fn()`` under torch's profiler with memory profiling on
 and replay every allocation and free of the window in time order. It sees every tensor allocation of
@@ -13,11 +16,44 @@ on timing. NCCL allocates no such tensors. A block belongs to whoever allocated 
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
+
+
+class CollectiveBytes:
+    """Records ``(kind, full buffer bytes)`` of each all-gather / reduce-scatter issued inside the block."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+
+    @property
+    def bytes_sent_per_rank(self) -> float:
+        """Ring model: a collective over a full buffer of S bytes sends (N-1)/N * S from each rank."""
+        n = dist.get_world_size()
+        return sum(b for _, b in self.calls) * (n - 1) / n
+
+    def __enter__(self):
+        self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+        gather, scatter = self._saved
+
+        def all_gather_into_tensor(out, inp, *args, **kwargs):
+            self.calls.append(("all_gather", out.numel() * out.element_size()))
+            return gather(out, inp, *args, **kwargs)
+
+        def reduce_scatter_tensor(out, inp, *args, **kwargs):
+            self.calls.append(("reduce_scatter", inp.numel() * inp.element_size()))
+            return scatter(out, inp, *args, **kwargs)
+
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = all_gather_into_tensor, reduce_scatter_tensor
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self._saved
 
 
 @dataclass(frozen=True)
@@ -57,6 +93,7 @@ def allocated_during(fn, device: str | torch.device = "cpu") -> Allocations:
     """What ``fn()`` allocates on ``device``: the step's tensors, and the process group's scratch."""
     from torch._C._profiler import _EventType  # the allocation events of the profiler's event tree
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # read once, at the profiler's first start: errors only
     device = torch.device(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with warnings.catch_warnings():

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass import FSDP, explain, zoo
-from fsdp_pass.measure import allocated_during
+from fsdp_pass.measure import CollectiveBytes, allocated_during
 from fsdp_pass_executors import executors_for
 
 # small enough for a few seconds per step on 2 CPU ranks, big enough that every unit's bytes show
@@ -25,34 +25,8 @@ def build_model(device="cpu"):
     return module, (idx, torch.roll(idx, -1, dims=1))
 
 
-class _RecordCollectives:
-    """Record the size of every all-gather and reduce-scatter handed to torch.distributed."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, int]] = []  # (kind, bytes of the full buffer)
-
-    def __enter__(self):
-        self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
-        gather, scatter = self._saved
-
-        def all_gather(out, inp, *a, **k):
-            self.calls.append(("all_gather", out.numel() * out.element_size()))
-            return gather(out, inp, *a, **k)
-
-        def reduce_scatter(out, inp, *a, **k):
-            self.calls.append(("reduce_scatter", inp.numel() * inp.element_size()))
-            return scatter(out, inp, *a, **k)
-
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = all_gather, reduce_scatter
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self._saved
-
-
 def measured_step(strategy: str, measured_steps: int = 3):
     """Train a few steps with AdamW; measure the collectives and the allocations of the last ones."""
-    world_size = dist.get_world_size()
     module, args = build_model()
     jm = thunder.jit(module, transforms=[FSDP(strategy)], executors=executors_for("cpu"))
     opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
@@ -66,17 +40,17 @@ def measured_step(strategy: str, measured_steps: int = 3):
         if i < 2:
             step()
         else:
-            with _RecordCollectives() as rec:
+            with CollectiveBytes() as sent:
                 allocations = allocated_during(step)
             peaks.append(allocations.peak_bytes)
-            calls.append(rec.calls)
+            calls.append(sent)
         opt.step()
     e = explain(jm, optimizer="adam")
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
     return {
         "measured_peaks": peaks,
-        "measured_bytes_sent": [sum(b for _, b in c) * (world_size - 1) / world_size for c in calls],
-        "measured_kinds": [sorted(k for k, _ in c) for c in calls],
+        "measured_bytes_sent": [c.bytes_sent_per_rank for c in calls],
+        "measured_kinds": [sorted(k for k, _ in c.calls) for c in calls],
         "measured_param_bytes": sum(p.numel() * p.element_size() for p in jm.parameters()),
         "measured_optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
         "predicted_peak": e.memory.step.peak_bytes,
