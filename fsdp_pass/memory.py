@@ -73,6 +73,19 @@ class TraceMemory:
     def live_at(self, i: int) -> int:
         return sum(b.nbytes for b in self.buffers if b.start <= i <= b.end)
 
+    def live_per_op(self, n_ops: int, keep=lambda buf: True) -> list[int]:
+        """Bytes live at each of the trace's ``n_ops`` ops, counting the buffers ``keep`` accepts."""
+        delta = [0] * (n_ops + 2)
+        for b in self.buffers:
+            if keep(b):
+                delta[max(b.start, 0)] += b.nbytes
+                delta[min(b.end, n_ops) + 1] -= b.nbytes
+        live, out = 0, []
+        for d in delta[:n_ops]:
+            live += d
+            out.append(live)
+        return out
+
 
 def _contiguous_after(bsym, src_contiguous: bool, src_shape) -> bool:
     """Is the view's result still contiguous?"""
@@ -193,6 +206,20 @@ class StepMemory:
     @property
     def peak_by_kind(self) -> dict:
         return (self.backward if self.peak_phase == "backward" else self.forward).peak_by_kind
+
+
+def live_over_step(forward, backward, gathered_only: bool = False) -> list[int]:
+    """Bytes live at each op of the forward, then of the backward (for a plot of memory over a step).
+
+    ``gathered_only``: only gathered parameters, including those the forward saved for the backward.
+    """
+    m = step_memory(forward, backward)
+    gathered = {b.name for b in m.forward.buffers if b.kind == GATHERED}
+    keep = (lambda b: b.kind == GATHERED or b.name in gathered) if gathered_only else (lambda b: True)
+    out = m.forward.live_per_op(len(forward.bound_symbols), keep)
+    if backward is not None:
+        out += m.backward.live_per_op(len(backward.bound_symbols), keep)
+    return out
 
 
 def step_memory(forward, backward=None) -> StepMemory:
