@@ -5,8 +5,6 @@ ranks measure on the same model: bytes handed to the process group, tensor bytes
 the step (torch's profiler), sharded parameters and optimizer state.
 """
 
-import statistics
-
 import pytest
 import thunder
 import torch
@@ -41,15 +39,19 @@ def test_predicted_bytes_match_a_gloo_run(measured_and_dry):
 def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
     """The step's tensors peak where the traces say, to within 1 % (a few bytes, in practice).
 
-    gloo sometimes frees a tensor on its worker thread after the measured window, so the lowest of
-    three measured steps is compared, and the median is held to 10 %.
+    A step can measure more when gloo's worker thread still holds a collective's send buffer after its
+    wait (it lets go a moment later). So the lowest of three measured steps is compared, and every
+    step is held below the prediction plus all the step's send buffers.
     """
-    strategy, measured, dry = measured_and_dry
-    predicted = dry.explanation.memory.step.peak_bytes
+    _, measured, dry = measured_and_dry
+    e = dry.explanation
+    predicted = e.memory.step.peak_bytes
+    n = e.world_size  # an all-gather sends its shard, a reduce-scatter its full buffer
+    send_buffers = sum(c.full_bytes // n if c.kind == "all_gather" else c.full_bytes for c in e.stats.collectives)
     for r in measured:
         assert r["predicted_peak"] == predicted
         assert abs(min(r["measured_peaks"]) - predicted) <= 0.01 * predicted, (r["measured_peaks"], predicted)
-        assert abs(statistics.median(r["measured_peaks"]) - predicted) <= 0.10 * predicted, r["measured_peaks"]
+        assert max(r["measured_peaks"]) <= predicted + send_buffers, (r["measured_peaks"], predicted, send_buffers)
     peak_kinds = dry.explanation.memory.step.peak_by_kind
     assert peak_kinds.get(GATHERED, 0) > 0, peak_kinds
 
