@@ -155,8 +155,10 @@ class Explanation:
         kinds = s.peak_by_kind
         lines.append(f"  step peak               {human_bytes(s.peak_bytes):>10}  (in the {s.peak_phase})")
         lines.append(f"    gathered parameters   {human_bytes(kinds.get(GATHERED, 0)):>10}")
-        lines.append(f"    saved for backward    {human_bytes(kinds.get(SAVED, 0)):>10}")
-        lines.append(f"    activations, grads    {human_bytes(kinds.get(OTHER, 0)):>10}")
+        lines.append(f"    saved activations     {human_bytes(kinds.get(SAVED, 0)):>10}")
+        lines.append(
+            f"    other tensors         {human_bytes(kinds.get(OTHER, 0)):>10}  (activations, gradients, temporaries)"
+        )
         lines.append(f"  peak                    {human_bytes(m.peak):>10}")
         lines.append(
             f"  (the forward saves {human_bytes(s.saved_bytes)} for the backward, of which "

@@ -17,8 +17,9 @@ as a *buffer*:
    use of it; what the backward returns (the gradient shards) lives to the end of the step.
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
-(all-gather results and copies cut from them), ``saved`` (forward results kept for the backward, in
-the backward) and ``other`` (activations, gradients, temporaries).
+(all-gather results and copies cut from them, also when the forward kept them for the backward),
+``saved`` (other forward results kept for the backward: activations, in the backward) and ``other``
+(activations, gradients, temporaries).
 
 Not modelled: scratch memory inside one op (e.g. a matmul's workspace), allocator rounding and
 fragmentation, and the process group's own memory (gloo copies each collective's full buffer into
@@ -115,7 +116,8 @@ def trace_memory(trace, carried_in: dict[str, Buffer] | None = None) -> TraceMem
     for name, buf in carried_in.items():
         buffer_of[name], contiguous[name] = buf.name, True
         if buf.name not in size:
-            size[buf.name], kind[buf.name], start[buf.name], last[buf.name] = buf.nbytes, SAVED, -1, -1
+            saved_kind = GATHERED if buf.kind == GATHERED else SAVED  # kept parameters stay parameters
+            size[buf.name], kind[buf.name], start[buf.name], last[buf.name] = buf.nbytes, saved_kind, -1, -1
 
     def new_buffer(proxy, i, k=OTHER):
         buffer_of[proxy.name], contiguous[proxy.name] = proxy.name, True
