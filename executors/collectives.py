@@ -16,6 +16,12 @@ execution trace they read ``fsdp_all_gather(...)``, ``fsdp_reduce_scatter(...)``
    stream (CUDA), drop the input, return the output. The time the host spends blocked in ``wait`` is
    added to :data:`WAIT_CLOCK` (on CUDA the host rarely blocks; the GPU does, and that is not counted).
 
+While :data:`WAIT_CLOCK` records (``reset(record=True)``), each collective also leaves a
+:class:`CollectiveEvent`: issued, completed, wait started, wait ended. ``completed`` is stamped by a
+callback on the work's future, on the thread that finishes the collective (gloo's own). It is NaN where
+the work has no future (gloo's reduce-scatter) and on CUDA, where the host learns nothing about when the
+GPU finished.
+
 On CPU/gloo the same path runs: gloo runs collectives on its own threads, so compute continues while
 one is in flight. ``fsdp_wait`` also accepts the ``(handle, tensor)`` pair of Thunder's torch executor,
 for collectives this executor did not issue (e.g. an ``all_reduce`` from another transform).
@@ -23,6 +29,7 @@ for collectives this executor did not issue (e.g. an ``all_reduce`` from another
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -44,6 +51,7 @@ class CollectiveEvent:
     issued: float
     wait_started: float
     wait_ended: float
+    completed: float = math.nan  # when the collective finished (its work's future completed); NaN: unknown
 
 
 class WaitClock:
@@ -75,6 +83,7 @@ class InFlight:
     stream: object  # the CUDA stream it runs on, or None
     kind: str = "collective"
     issued: float = 0.0  # time.perf_counter() at issue
+    completion: object = None  # recording only: a future whose value is the time the collective finished
 
 
 _comm_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -87,10 +96,26 @@ def communication_stream(device: torch.device):
     return _comm_streams[device]
 
 
+def _stamp_time(_future) -> float:
+    return time.perf_counter()
+
+
+def _completion_of(work):
+    """A future that completes with the time ``work`` finished (None if the work has no future)."""
+    if not hasattr(work, "get_future"):
+        return None
+    try:
+        return work.get_future().then(_stamp_time)  # captures nothing: the buffers' lifetimes are unchanged
+    except RuntimeError:  # a backend without futures
+        return None
+
+
 def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: str = "collective") -> InFlight:
     issued = time.perf_counter()
     if not output.is_cuda:
-        return InFlight(start(output, input), output, input, None, kind, issued)
+        work = start(output, input)
+        completion = _completion_of(work) if WAIT_CLOCK.events is not None else None
+        return InFlight(work, output, input, None, kind, issued, completion)
     compute = torch.cuda.current_stream(output.device)
     comm = communication_stream(output.device)
     comm.wait_stream(compute)  # the input is written by the compute stream
@@ -133,9 +158,17 @@ def _wait_impl(flight, /) -> torch.Tensor:
     WAIT_CLOCK.waits += 1
     if WAIT_CLOCK.events is not None:
         numel = flight.input.numel() if flight.kind == "reduce_scatter" else flight.output.numel()
-        WAIT_CLOCK.events.append(CollectiveEvent(flight.kind, numel, flight.issued, t0, t1))
+        WAIT_CLOCK.events.append(CollectiveEvent(flight.kind, numel, flight.issued, t0, t1, _completed_at(flight)))
     flight.input = None  # released only now that the compute stream is ordered after the collective
+    flight.completion = None
     return flight.output
+
+
+def _completed_at(flight: InFlight) -> float:
+    if flight.completion is None:
+        return math.nan
+    # the work is done; its callback may still be on its way (it runs after the work is marked done)
+    return flight.completion.wait()
 
 
 # torch's ``*_into_tensor`` collectives work along dim 0; other dims stay with Thunder's torch executor

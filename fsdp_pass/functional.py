@@ -74,7 +74,8 @@ def derive_backward_and_lower(trace, executors=None, schedule: Schedule | None =
     compile_data = thunder.compile_data(thunder.jit(lambda: None, executors=executors))
     with compile_data_and_stats(compile_data, None):
         joint = grad_transform_on_trace(dce(trace))
-        lowered = thunder.transform_for_execution(joint, executors_list=executors)[-1]
+        # as thunder.jit lowers: no `del`s before the split, or every intermediate is saved for the backward
+        lowered = thunder.transform_for_execution(joint, executors_list=executors, use_del_last_used=False)[-1]
         forward, backward = split_into_forward_and_backward(lowered)
     forward, backward = del_last_used(forward), del_last_used(backward, clear_mutable_collections=True)
     if schedule is not None:

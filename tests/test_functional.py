@@ -1,8 +1,10 @@
 """The step-by-step path the notebooks use: one process, fake group, any world size."""
 
 import pytest
+import thunder
+from fsdp_pass_executors import executors_for
 
-from fsdp_pass import fake_process_group
+from fsdp_pass import FSDP, fake_process_group
 from fsdp_pass.functional import derive_backward_and_lower, functional_trace, shard_functional_trace
 from tests import models
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
@@ -33,3 +35,20 @@ def test_functional_steps_shard_gather_and_reduce(world_size):
     # the sharded arguments carry the shard shapes
     args = {a.name: tuple(a.shape) for a in sharded.args}
     assert args["t_fc1_weight"] == (-(-32 // world_size), 16)
+
+
+def _saved_for_backward(forward) -> int:
+    (_, (saved, _)) = forward.bound_symbols[-1].args  # return (outputs, (saved tensors, saved other))
+    return len(saved)
+
+
+def test_functional_forward_saves_what_thunder_jit_saves():
+    # lowering with `del`s before the split would save every intermediate (and the gathered buffers) instead
+    x, _ = models.batch("mlp", 2, 0)
+    prologue, trace = functional_trace(models.MLP(), x)
+    with fake_process_group(4) as group:
+        sharded, _ = shard_functional_trace(prologue, trace, group, "zero3", model=models.MLP())
+        forward, _ = derive_backward_and_lower(sharded)
+        jm = thunder.jit(models.MLP(), transforms=[FSDP("zero3")], executors=executors_for("cpu"))
+        jm(x).sum().backward()
+    assert _saved_for_backward(forward) == _saved_for_backward(thunder.last_traces(jm)[-1])
