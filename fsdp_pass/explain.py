@@ -37,6 +37,7 @@ class UnitRow:
     unsharded_bytes: int
     padding: int  # elements
     reshard_after_forward: bool
+    checkpointed: bool = False  # activations recomputed in the backward
     forward_gathers: tuple[CollectiveOverlap, ...] = ()
     backward_gathers: tuple[CollectiveOverlap, ...] = ()
     reduce_scatters: tuple[CollectiveOverlap, ...] = ()
@@ -100,7 +101,7 @@ class Explanation:
             f"FSDP explain: strategy={sp.strategy.value} world_size={sp.world_size} "
             f"units={len(self.units)} policy={self.plan.policy}"
         )
-        cols = ("unit", "params", "numel", "shard/rank", "unsharded", "pad", "reshard")
+        cols = ("unit", "params", "numel", "shard/rank", "unsharded", "pad", "reshard", "ckpt")
         if self.stats is not None:
             cols += ("fwd gather issue..wait", "bwd gather", "reduce-scatter")
         rows = []
@@ -113,6 +114,7 @@ class Explanation:
                 human_bytes(u.unsharded_bytes),
                 f"{u.padding:,}",
                 "yes" if u.reshard_after_forward else "no",
+                "yes" if u.checkpointed else "no",
             )
             if self.stats is not None:
                 row += tuple(_collective_cell(c) for c in (u.forward_gathers, u.backward_gathers, u.reduce_scatters))
@@ -211,8 +213,12 @@ def explain_traces(
     backward=None,
     unit_of_collective: dict | None = None,
     optimizer="adam",
+    checkpointed=(),
 ) -> Explanation:
-    """The explanation of ``plan`` and, when given, the final forward / backward traces of a step."""
+    """The explanation of ``plan`` and, when given, the final forward / backward traces of a step.
+
+    ``checkpointed``: names of the units whose activations are recomputed in the backward.
+    """
     sharding = plan.sharding
     owners = sharding.owners()
     shard_bytes = sum(p.layout.shard_numel * p.itemsize for p in owners)
@@ -234,6 +240,7 @@ def explain_traces(
                 shard_numel * itemsize * sharding.world_size,
                 pad,
                 u.reshard_after_forward,
+                u.name in checkpointed,
                 tuple(c for c in mine if c.phase == "forward" and c.kind == "all-gather"),
                 tuple(c for c in mine if c.phase == "backward" and c.kind == "all-gather"),
                 tuple(c for c in mine if c.kind == "reduce-scatter"),
@@ -270,7 +277,12 @@ def explain(target, *, optimizer="adam") -> Explanation:
     )
     traces = fsdp._final_traces
     return explain_traces(
-        fsdp.unit_plan, traces["forward"], traces.get("backward"), fsdp._unit_of_collective, optimizer
+        fsdp.unit_plan,
+        traces["forward"],
+        traces.get("backward"),
+        fsdp._unit_of_collective,
+        optimizer,
+        fsdp.checkpointed_units,
     )
 
 

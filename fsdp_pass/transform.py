@@ -25,6 +25,7 @@ from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group
 from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.overlap import OverlapReport, overlap_report
 from fsdp_pass.passes.annotate import annotate_collectives, units_of_collectives
+from fsdp_pass.passes.checkpoint_units import checkpoint_units
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.parameter_args import parameter_names_of_args
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
@@ -35,6 +36,17 @@ from fsdp_pass.state_dict import gather_full
 from fsdp_pass.unit_policies import resolve_policy
 from fsdp_pass.units import plan_units
 from fsdp_pass.verify import check_collective_lifetimes, check_same_collectives_on_all_ranks
+
+
+def _checkpoint_predicate(spec):
+    if isinstance(spec, bool):
+        return lambda unit: spec
+    check(
+        callable(spec),
+        f"checkpoint_activations={spec!r} is neither a bool nor a function of a unit.",
+        "Pass True (every unit), False, or a function Unit -> bool, e.g. lambda u: u.name.startswith('layers.').",
+    )
+    return spec
 
 
 class FSDP(Transform):
@@ -55,6 +67,10 @@ class FSDP(Transform):
         schedule: when collectives are issued and waited (:class:`~fsdp_pass.schedule.Schedule`):
             the default prefetches one unit ahead; an int is the prefetch depth; None keeps the
             order Thunder's lowering produced.
+        checkpoint_activations: recompute units' activations in the backward instead of saving them
+            (activation checkpointing, :mod:`~fsdp_pass.passes.checkpoint_units`): False, True (every
+            unit), or a function ``Unit -> bool``. The recomputation reads the gather the backward
+            does anyway: no extra collective.
         release_original_parameters: replace the original module's full tensors with meta tensors
             once sharded, so each rank holds 1/N of the parameters.
         verify_ranks: at each compile, check that every rank issues the same collectives.
@@ -70,6 +86,7 @@ class FSDP(Transform):
         units="blocks",
         reshard_after_forward=None,
         schedule: Schedule | int | None = DEFAULT_SCHEDULE,
+        checkpoint_activations=False,
         release_original_parameters: bool = True,
         verify_ranks: bool = True,
     ):
@@ -80,6 +97,8 @@ class FSDP(Transform):
         self.units = resolve_policy(units)
         self.reshard_after_forward = reshard_after_forward
         self.schedule = resolve_schedule(schedule)
+        self.checkpoint_activations = _checkpoint_predicate(checkpoint_activations)
+        self.checkpointed_units: tuple[str, ...] = ()  # latest compile
         self.release_original_parameters = release_original_parameters
         self.verify_ranks = verify_ranks
         self.group = None
@@ -111,6 +130,8 @@ class FSDP(Transform):
             computation_trace, arg_params, self.sharding, self.units, self.tree, self.reshard_after_forward
         )
         computation_trace = insert_unshards(computation_trace, self.unit_plan, arg_params, self.group)
+        self.checkpointed_units = tuple(u.name for u in self.unit_plan.units if self.checkpoint_activations(u))
+        computation_trace = checkpoint_units(computation_trace, self.checkpointed_units)
         prologue_trace = shard_prologue(prologue_trace, self.sharding, self.device)
         return prologue_trace, computation_trace, epilogue_trace
 

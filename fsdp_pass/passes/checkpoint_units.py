@@ -1,0 +1,64 @@
+"""Pass: activation checkpointing per FSDP unit, recomputed from the gather the backward does anyway.
+
+``checkpoint_units(trace, unit_names) -> trace`` runs on the forward trace after
+:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`:
+
+1. A unit's *region* runs from its ``unshard_unit`` to the last op that reads one of the parameters it
+   gathers (for a decoder layer: the layer's compute).
+2. Every op of the region whose results are read only inside the region is tagged
+   ``RECOMPUTE_IN_BACKWARD``. Thunder's autodiff then recomputes those results in the backward instead
+   of saving them. What leaves the region (the layer's output, the residual stream) is not tagged, so
+   it is saved as a checkpoint and the recomputation stops there.
+3. The recomputed ops read the unit's parameters where the backward has them: under ZeRO-3 the unit's
+   ``unshard_unit`` is itself recomputed, so the one all-gather the backward issues for the unit feeds
+   both the recomputation and the gradients. Under ZeRO-2 the gathered parameters are kept from the
+   forward. Either way checkpointing adds no collective.
+"""
+
+from __future__ import annotations
+
+from thunder.core import utils
+from thunder.core.symbol import BoundSymbolTag
+from thunder.core.trace import TraceProvenance, from_trace
+
+from fsdp_pass.predicates import is_bookkeeping, is_unshard_unit
+
+
+def _regions(trace, unit_names: frozenset[str]) -> list[tuple[int, int]]:
+    """(index of the unshard_unit, index of the last reader of its outputs), per checkpointed unit."""
+    bsyms = trace.bound_symbols
+    consumers = utils.consumers(trace)
+    position = {id(b): i for i, b in enumerate(bsyms)}
+    regions = []
+    for i, b in enumerate(bsyms):
+        if not is_unshard_unit(b) or b.args[2] not in unit_names:  # unshard_unit(shards, group, unit_name, shapes)
+            continue
+        readers = [position[id(c)] for out in b.flat_proxy_outs for c in consumers.get(out, [])]
+        regions.append((i, max(readers, default=i)))
+    return regions
+
+
+def checkpoint_units(trace, unit_names) -> object:
+    unit_names = frozenset(unit_names)
+    if not unit_names:
+        return trace
+    bsyms = trace.bound_symbols
+    consumers = utils.consumers(trace)
+    position = {id(b): i for i, b in enumerate(bsyms)}
+    recompute: set[int] = set()
+    for start, end in _regions(trace, unit_names):
+        for i in range(start + 1, end + 1):
+            b = bsyms[i]
+            if is_bookkeeping(b) or is_unshard_unit(b) or not b.flat_proxy_outs:
+                continue
+            readers = [position[id(c)] for out in b.flat_proxy_outs for c in consumers.get(out, [])]
+            if readers and all(start < r <= end for r in readers):
+                recompute.add(i)
+    new = from_trace(trace)
+    for i, b in enumerate(bsyms):
+        if i in recompute:
+            b = b.from_bsym()
+            b.tags.add(BoundSymbolTag.RECOMPUTE_IN_BACKWARD)
+        new.bound_symbols.append(b)
+    new.set_provenance(TraceProvenance(f"fsdp_pass: checkpoint activations of {len(unit_names)} unit(s)"))
+    return new
