@@ -34,9 +34,9 @@ from bench.model import loss_fn
 LR = 1e-3
 
 # Columns filled by ``System.extra_stats``; always printed, "—" where a system has no value.
-EXTRA_COLUMNS = ("peak unsharded MB",)
+EXTRA_COLUMNS = ("peak unsharded MB", "step peak MB")
 
-# (row name, strategy, units policy, prefetch, executors) for fsdp_pass.FSDP. Add a line to benchmark
+# (row name, strategy, units policy, prefetch, executors[, FSDP options]) for fsdp_pass.FSDP. Add a line to benchmark
 # another configuration. prefetch: the Schedule's depth, or None for no scheduling pass. executors:
 # "ours" = fsdp_pass_executors.executors_for("cpu") (collectives on fsdp_comm), "thunder" = Thunder's
 # torch executor alone (then Thunder's own sort_waits orders the collectives: every gather at the top).
@@ -49,6 +49,7 @@ OURS_CONFIGS = [
     ("ours zero3 blocks unscheduled", "zero3", "blocks", None, "ours"),
     ("ours zero3 blocks thunder order", "zero3", "blocks", None, "thunder"),
     ("ours zero3 by-size 1.7MB", "zero3", "by_size:1700000", 1, "ours"),  # two decoder layers per unit
+    ("ours zero3 blocks checkpointed", "zero3", "blocks", 1, "ours", {"checkpoint_activations": True}),
 ]
 OURS_NOTES = {
     "ours zero3 blocks unscheduled": "unscheduled: no scheduling pass; each gather is issued right before its wait "
@@ -162,7 +163,11 @@ def thunder_fsdp_builder(sharding: str, bucketing: str) -> Callable[[nn.Module],
     return build
 
 
-def ours_builder(strategy: str, units: str, prefetch: int | None, executors: str) -> Callable[[nn.Module], Trainer]:
+def ours_builder(
+    strategy: str, units: str, prefetch: int | None, executors: str, options: dict | None = None
+) -> Callable[[nn.Module], Trainer]:
+    """``options``: more keyword arguments of ``FSDP`` (e.g. ``checkpoint_activations``)."""
+
     def build(model: nn.Module) -> Trainer:
         import thunder
 
@@ -170,7 +175,7 @@ def ours_builder(strategy: str, units: str, prefetch: int | None, executors: str
 
         policy = BySize(int(units.split(":")[1])) if units.startswith("by_size:") else units
         schedule = None if prefetch is None else Schedule(prefetch=prefetch)
-        transform = FSDP(strategy, units=policy, schedule=schedule)
+        transform = FSDP(strategy, units=policy, schedule=schedule, **(options or {}))
         jm = thunder.jit(model, transforms=[transform], executors=thunder_executors(executors))
         return Trainer(jm, transform=transform)
 

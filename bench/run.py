@@ -38,6 +38,10 @@ Columns:
   first s        time of the first step (compile included)
   loss           mean over ranks of the loss at the last timed step (the same data and init for
                  every system, so sharded systems should agree with each other and with ddp)
+  peak unsharded MB  gathered parameters alive at once at most, read off the final traces (Thunder rows)
+  step peak MB   rank 0, measured (``fsdp_pass.measure``): bytes a whole training step (forward,
+                 backward, optimizer) allocates above what lives before it; the process group's own
+                 scratch copies are not counted
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from fsdp_pass_executors import WAIT_CLOCK
 from bench.collectives import CommsProfiler
 from bench.model import Config, build_model, make_batch, param_count
 from bench.peers import EXTRA_COLUMNS, all_systems, select
+from fsdp_pass.measure import allocated_during
 
 BYTES_PER_PARAM = 4  # fp32
 
@@ -210,6 +215,10 @@ def run_system(index: int, system, args, coord: Coordinator) -> dict:
             trainer.step(idx, tgt)
         res["comms"] = cp.result.as_dict()
         res["extra"] = dict(system.extra_stats(trainer)) if system.extra_stats else {}
+        idx, tgt = batch()
+        dist.barrier()
+        allocated = allocated_during(lambda: trainer.step(idx, tgt))
+        res["extra"]["step peak MB"] = f"{allocated.peak_bytes / 1e6:.2f}"
 
     phases = (("build", build), ("first step", first_step), ("steps", measure))
     try:
