@@ -27,6 +27,7 @@ from fsdp_pass_executors import WAIT_CLOCK, describe, executors_for
 from fsdp_pass import FSDP, Schedule, full_state_dict
 from fsdp_pass.measure import CollectiveBytes, allocated_during
 from fsdp_pass.plan import human_bytes
+from fsdp_pass.transform import fsdp_of
 from fsdp_pass.zoo import WithLoss
 
 
@@ -83,7 +84,7 @@ def measured_against_predicted(jm, x, y, device, repeats: int = 3) -> str:
         peaks.append(allocations.peak_bytes)
         scratch.append(allocations.process_group_peak_bytes)
     jm.zero_grad(set_to_none=True)
-    e = jm._lc_transforms[0].explain()
+    e = fsdp_of(jm).explain()
     return (
         f"{repeats} more forward + backward passes, measured on rank {dist.get_rank()} (predicted by explain()):\n"
         f"  bytes sent        {sent.bytes_sent_per_rank:,.0f} B  (predicted {e.bytes_per_rank:,.0f} B)\n"
@@ -134,7 +135,7 @@ def main(argv=None):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         if step == 0:
-            fsdp = jm._lc_transforms[0]
+            fsdp = fsdp_of(jm)
             say(f"\n{fsdp.explain()}\n")
             if not args.no_traces:
                 say("=" * 30, "forward trace (rank 0)", "=" * 30)

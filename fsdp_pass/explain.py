@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fsdp_pass.errors import check, fail
 from fsdp_pass.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
 from fsdp_pass.overlap import CollectiveOverlap, overlap_report
-from fsdp_pass.plan import Strategy, UnitPlan, human_bytes
+from fsdp_pass.plan import Strategy, UnitPlan, format_table, human_bytes
 from fsdp_pass.trace_stats import StepStats, floor_bytes, step_stats
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -119,7 +119,7 @@ class Explanation:
             if self.stats is not None:
                 row += tuple(_collective_cell(c) for c in (u.forward_gathers, u.backward_gathers, u.reduce_scatters))
             rows.append(row)
-        return [head, *_table(cols, rows)] + (
+        return [head, *format_table(cols, rows)] + (
             ["(issue..wait: op positions in the final trace, then the estimated FLOPs computed in between)"]
             if self.stats is not None
             else []
@@ -186,14 +186,6 @@ def _flops(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.3g} {unit}"
     return f"{n:.0f} F"
-
-
-def _table(cols, rows) -> list[str]:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*cols).rstrip(), fmt.format(*("-" * w for w in widths))] + [
-        fmt.format(*r).rstrip() for r in rows
-    ]
 
 
 def _optimizer_states(optimizer) -> int:
@@ -265,11 +257,11 @@ def explain(target, *, optimizer="adam") -> Explanation:
     ``optimizer``: for the optimizer-state estimate, ``"adam"`` (2 parameter-sized states per
     trainable element), ``"sgd_momentum"`` (1), ``"sgd"`` (0), or a number of states.
     """
-    from fsdp_pass.transform import FSDP
+    from fsdp_pass.transform import FSDP, fsdp_of  # transform imports this module
 
     if isinstance(target, UnitPlan):
         return explain_traces(target, optimizer=optimizer)
-    fsdp = target if isinstance(target, FSDP) else _fsdp_of(target)
+    fsdp = target if isinstance(target, FSDP) else fsdp_of(target)
     check(
         fsdp.unit_plan is not None and "forward" in fsdp._final_traces,
         "explain() reads the traces of a compiled step, and this model has not been compiled yet.",
@@ -284,15 +276,3 @@ def explain(target, *, optimizer="adam") -> Explanation:
         optimizer,
         fsdp.checkpointed_units,
     )
-
-
-def _fsdp_of(jitted):
-    from fsdp_pass.transform import FSDP
-
-    found = [t for t in getattr(jitted, "_lc_transforms", ()) if isinstance(t, FSDP)]
-    check(
-        len(found) == 1,
-        lambda: f"explain() needs a model jitted with fsdp_pass.FSDP; got {type(jitted).__name__}.",
-        "Pass thunder.jit(model, transforms=[FSDP(...)]), the FSDP transform itself, or a UnitPlan.",
-    )
-    return found[0]

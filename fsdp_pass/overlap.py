@@ -21,7 +21,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from fsdp_pass.plan import human_bytes
+from fsdp_pass.plan import format_table, human_bytes
 from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_reduce_scatter, is_view_like, is_wait
 
 
@@ -109,7 +109,7 @@ class OverlapReport:
 
     def __str__(self) -> str:
         header = ("phase", "collective", "unit", "bytes", "issue..wait", "compute between", "~MFLOP", "")
-        lines = [header]
+        lines = []
         for r in self.rows:
             ops = ", ".join(f"{name} x{n}" for name, n in r.ops_between[:3])
             more = len(r.ops_between) - 3
@@ -126,11 +126,7 @@ class OverlapReport:
                     "EXPOSED" if r.exposed else "",
                 )
             )
-        widths = [max(len(str(row[c])) for row in lines) for c in range(len(header))]
-        out = [
-            "  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip()
-            for row in [lines[0], tuple("-" * w for w in widths), *lines[1:]]
-        ]
+        out = format_table(header, lines)
         n_exposed = len(self.exposed())
         out.append(f"{len(self.rows)} collectives, {n_exposed} exposed (no compute between issue and wait)")
         return "\n".join(out)

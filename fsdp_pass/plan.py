@@ -49,6 +49,14 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def format_table(cols, rows) -> list[str]:
+    """A header, a dashed rule and one line per row, each column left-aligned to its widest cell."""
+    rows = [tuple(str(v) for v in r) for r in rows]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*line).rstrip() for line in [cols, ["-" * w for w in widths], *rows]]
+
+
 def collective_label(unit_name: str, kind: str, n_params: int, shard_bytes: int, world_size: int, padding: int) -> str:
     """The header every inserted collective carries in the printed traces."""
     return (
@@ -143,10 +151,11 @@ class UnitPlan:
         for u in self.units:
             numel, shard_numel, pad = self.unit_numel(u)
             b = self.unit_itemsize(u)
+            params = ", ".join(u.params)
             rows.append(
                 (
                     u.name,
-                    ", ".join(u.params),
+                    params if len(params) <= 60 else params[:57] + "...",
                     f"{numel:,}",
                     human_bytes(shard_numel * b),
                     human_bytes(shard_numel * b * sp.world_size),
@@ -155,12 +164,6 @@ class UnitPlan:
                     "yes" if u.reshard_after_forward else "no",
                 )
             )
-        widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
-        widths[1] = min(widths[1], 60)
-        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-        lines = [head, fmt.format(*cols).rstrip(), fmt.format(*("-" * w for w in widths))]
-        for r in rows:
-            params = r[1] if len(r[1]) <= 60 else r[1][:57] + "..."
-            lines.append(fmt.format(r[0], params, *r[2:]).rstrip())
+        lines = [head, *format_table(cols, rows)]
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)

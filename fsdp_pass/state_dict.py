@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fsdp_pass.errors import check, fail
+from fsdp_pass.errors import check
 from fsdp_pass.layout import ShardLayout, shard_tensor, unpad_gathered
 
 
@@ -23,15 +23,9 @@ def gather_full(shard: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor
 
 
 def _fsdp_of(jm):
-    from fsdp_pass.transform import FSDP
+    from fsdp_pass.transform import fsdp_of  # transform imports this module
 
-    for t in getattr(jm, "_lc_transforms", ()):
-        if isinstance(t, FSDP):
-            return t
-    fail(
-        "This model was not compiled with fsdp_pass.FSDP.",
-        "Pass the model returned by thunder.jit(model, transforms=[FSDP(...)]).",
-    )
+    return fsdp_of(jm)
 
 
 def _persistent_buffer_names(module: torch.nn.Module) -> list[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
 
-from fsdp_pass.errors import check
+from fsdp_pass.errors import check, fail
 from fsdp_pass.layout import shard_tensor
 from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, shard_module
 from fsdp_pass.module_tree import ModuleTree
@@ -189,3 +189,14 @@ class FSDP(Transform):
                 v = gather_full(v, self.sharding.param(name).layout, self.group)
             out[k] = v
         return out
+
+
+def fsdp_of(jitted) -> FSDP:
+    """The :class:`FSDP` transform a model was jitted with (an error saying what to pass otherwise)."""
+    for t in getattr(jitted, "_lc_transforms", ()):
+        if isinstance(t, FSDP):
+            return t
+    fail(
+        f"This model ({type(jitted).__name__}) was not compiled with fsdp_pass.FSDP.",
+        "Pass the model returned by thunder.jit(model, transforms=[FSDP(...)]).",
+    )
