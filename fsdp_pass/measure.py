@@ -81,9 +81,10 @@ def _inside_process_group(node) -> bool:
     return False
 
 
-def _peak(events) -> tuple[int, int]:
+def _peak(alloc_sizes) -> tuple[int, int]:
+    """(highest running sum, final sum) of allocation sizes (frees negative), in time order."""
     live = peak = 0
-    for _, nbytes in events:
+    for nbytes in alloc_sizes:
         live += nbytes
         peak = max(peak, live)
     return peak, live
@@ -117,7 +118,7 @@ def allocated_during(fn, device: str | torch.device = "cpu") -> Allocations:
             inside = by_group[fields.ptr]
         else:  # a free: of a block allocated in the window, or of one from before it
             inside = by_group.pop(fields.ptr, _inside_process_group(n))
-        (group if inside else step).append((n.start_time_ns, fields.alloc_size))
+        (group if inside else step).append(fields.alloc_size)
     peak, net = _peak(step)
     group_peak, _ = _peak(group)
     return Allocations(peak, net, group_peak)

@@ -71,9 +71,6 @@ class TraceMemory:
     peak_by_kind: dict  # kind -> bytes live at the peak
     handed_on: dict  # returned tensor name -> its Buffer (what the next trace receives)
 
-    def live_at(self, i: int) -> int:
-        return sum(b.nbytes for b in self.buffers if b.start <= i <= b.end)
-
     def live_per_op(self, n_ops: int, keep=lambda buf: True) -> list[int]:
         """Bytes live at each of the trace's ``n_ops`` ops, counting the buffers ``keep`` accepts."""
         delta = [0] * (n_ops + 2)
@@ -216,8 +213,7 @@ def live_over_step(forward, backward, gathered_only: bool = False) -> list[int]:
     ``gathered_only``: only gathered parameters, including those the forward saved for the backward.
     """
     m = step_memory(forward, backward)
-    gathered = {b.name for b in m.forward.buffers if b.kind == GATHERED}
-    keep = (lambda b: b.kind == GATHERED or b.name in gathered) if gathered_only else (lambda b: True)
+    keep = (lambda b: b.kind == GATHERED) if gathered_only else (lambda b: True)
     out = m.forward.live_per_op(len(forward.bound_symbols), keep)
     if backward is not None:
         out += m.backward.live_per_op(len(backward.bound_symbols), keep)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.memory import live_over_step
+from fsdp_pass.memory import live_over_step, tensor_bytes
 from fsdp_pass.predicates import is_all_gather, is_all_reduce, is_reduce_scatter
 
 
@@ -30,19 +30,15 @@ class Collective:
     full_bytes: int  # the unsharded buffer: gathered output, or reduce-scatter / all-reduce input
 
 
-def _bytes(proxy) -> int:
-    return proxy.numel * proxy.dtype.bytes
-
-
 def collectives_of(trace, phase: str) -> list[Collective]:
     out = []
     for i, b in enumerate(trace.bound_symbols):
         if is_all_gather(b):
-            out.append(Collective(phase, "all_gather", i, _bytes(b.output)))
+            out.append(Collective(phase, "all_gather", i, tensor_bytes(b.output)))
         elif is_reduce_scatter(b):
-            out.append(Collective(phase, "reduce_scatter", i, _bytes(b.flat_proxy_args[0])))
+            out.append(Collective(phase, "reduce_scatter", i, tensor_bytes(b.flat_proxy_args[0])))
         elif is_all_reduce(b):
-            out.append(Collective(phase, "all_reduce", i, _bytes(b.flat_proxy_args[0])))
+            out.append(Collective(phase, "all_reduce", i, tensor_bytes(b.flat_proxy_args[0])))
     return out
 
 
