@@ -118,23 +118,27 @@ def is_view_like(bsym) -> bool:
     return _id(bsym) in _VIEW_LIKE
 
 
+_DIVISION = frozenset({"true_divide", "div", prims.PrimIDs.DIV})
+
 # what builds a collective's send buffer: the shapes above, and these copies and scalings
-_PACKING = frozenset(
+_PACKING = _DIVISION | frozenset(
     {
         "cat",
         prims.PrimIDs.CAT,
         "pad",
         prims.PrimIDs.PAD,
         "torch_pad_prim_impl",
-        "true_divide",
-        "div",
-        prims.PrimIDs.DIV,
         "to",
         "convert_element_type",
         prims.PrimIDs.CONVERT_ELEMENT_TYPE,
         "torch_convert_element_type_prim_impl",
     }
 )
+
+
+def is_division(bsym) -> bool:
+    """A division (how gradients are averaged over ranks before their reduce-scatter)."""
+    return _id(bsym) in _DIVISION
 
 
 def is_packing(bsym) -> bool:

@@ -22,6 +22,7 @@ from thunder.core.trace import TraceProvenance, from_trace
 from fsdp_pass.plan import UnitPlan, collective_label
 from fsdp_pass.predicates import (
     is_all_gather,
+    is_division,
     is_getitem,
     is_packing,
     is_reduce_scatter,
@@ -101,10 +102,6 @@ def units_of_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], ar
     return found
 
 
-def _is_division(bsym) -> bool:
-    return str(bsym.sym.name) in ("true_divide", "div")
-
-
 def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
     """Headers for the ops that build each collective's send buffer: id(bsym) -> header."""
     producers = utils.producers(trace)
@@ -114,7 +111,7 @@ def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
             continue
         unit, _ = found[bsym.output.name]
         op = producers.get(bsym.flat_proxy_args[0], None)
-        if op is not None and _is_division(op):
+        if op is not None and is_division(op):
             headers[id(op)] = (
                 f"[fsdp] unit {unit.name!r}: gradients pre-divided by the world size "
                 f"{plan.sharding.world_size} (the reduce-scatter sums)"

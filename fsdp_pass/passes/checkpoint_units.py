@@ -24,18 +24,11 @@ from thunder.core.trace import TraceProvenance, from_trace
 from fsdp_pass.predicates import is_bookkeeping, is_unshard_unit
 
 
-def _regions(trace, unit_names: frozenset[str]) -> list[tuple[int, int]]:
-    """(index of the unshard_unit, index of the last reader of its outputs), per checkpointed unit."""
-    bsyms = trace.bound_symbols
+def _reader_positions(trace):
+    """A function: bound symbol -> the indices of the ops that read its results."""
     consumers = utils.consumers(trace)
-    position = {id(b): i for i, b in enumerate(bsyms)}
-    regions = []
-    for i, b in enumerate(bsyms):
-        if not is_unshard_unit(b) or b.args[2] not in unit_names:  # unshard_unit(shards, group, unit_name, shapes)
-            continue
-        readers = [position[id(c)] for out in b.flat_proxy_outs for c in consumers.get(out, [])]
-        regions.append((i, max(readers, default=i)))
-    return regions
+    position = {id(b): i for i, b in enumerate(trace.bound_symbols)}
+    return lambda bsym: [position[id(c)] for out in bsym.flat_proxy_outs for c in consumers.get(out, [])]
 
 
 def checkpoint_units(trace, unit_names) -> object:
@@ -43,15 +36,20 @@ def checkpoint_units(trace, unit_names) -> object:
     if not unit_names:
         return trace
     bsyms = trace.bound_symbols
-    consumers = utils.consumers(trace)
-    position = {id(b): i for i, b in enumerate(bsyms)}
+    readers_of = _reader_positions(trace)
+    # (index of the unshard_unit, index of the last reader of its outputs), per checkpointed unit
+    regions = [
+        (i, max(readers_of(b), default=i))
+        for i, b in enumerate(bsyms)
+        if is_unshard_unit(b) and b.args[2] in unit_names  # unshard_unit(shards, group, unit_name, shapes)
+    ]
     recompute: set[int] = set()
-    for start, end in _regions(trace, unit_names):
+    for start, end in regions:
         for i in range(start + 1, end + 1):
             b = bsyms[i]
             if is_bookkeeping(b) or is_unshard_unit(b) or not b.flat_proxy_outs:
                 continue
-            readers = [position[id(c)] for out in b.flat_proxy_outs for c in consumers.get(out, [])]
+            readers = readers_of(b)
             if readers and all(start < r <= end for r in readers):
                 recompute.add(i)
     new = from_trace(trace)
