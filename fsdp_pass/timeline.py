@@ -38,7 +38,6 @@ import thunder
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from fsdp_pass_executors import WAIT_CLOCK, executors_for
 
 from fsdp_pass.demo import TinyLM, counting_batch
@@ -46,6 +45,7 @@ from fsdp_pass.overlap import OverlapReport
 from fsdp_pass.predicates import collectives, is_all_gather, is_reduce_scatter
 from fsdp_pass.schedule import Schedule
 from fsdp_pass.transform import FSDP
+from fsdp_pass.zoo import lm_loss
 
 PHASES = ("forward", "backward")
 KIND_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange"}
@@ -126,7 +126,7 @@ def _rank_batch(step: int, batch_per_rank: int):
 
 
 def _loss(jm, x, y):
-    return F.cross_entropy(jm(x).flatten(0, 1), y.flatten())
+    return lm_loss(jm(x), y)
 
 
 @dataclass(frozen=True)
