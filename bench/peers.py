@@ -22,6 +22,7 @@ expose ``trainer.module`` (the ThunderModule: ``thunder.last_traces(trainer.modu
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,13 +31,16 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.model import loss_fn
+from fsdp_pass.mixed_precision import MixedPrecision
 
 LR = 1e-3
 
 # Columns filled by ``System.extra_stats``; always printed, "—" where a system has no value.
 EXTRA_COLUMNS = ("peak unsharded MB", "step peak MB")
 
-# (row name, strategy, units policy, prefetch, executors[, FSDP options]) for fsdp_pass.FSDP. Add a line to benchmark
+BF16 = MixedPrecision(torch.bfloat16, output_dtype=torch.float32)
+BF16_REDUCE = MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.float32)
+# (row name, strategy, units policy, prefetch, executors[, FSDP options[, Trainer options]]) for fsdp_pass.FSDP. Add a line to benchmark
 # another configuration. prefetch: the Schedule's depth, or None for no scheduling pass. executors:
 # "ours" = fsdp_pass_executors.executors_for("cpu") (collectives on fsdp_comm), "thunder" = Thunder's
 # torch executor alone (then Thunder's own sort_waits orders the collectives: every gather at the top).
@@ -50,10 +54,19 @@ OURS_CONFIGS = [
     ("ours zero3 blocks thunder order", "zero3", "blocks", None, "thunder"),
     ("ours zero3 by-size 1.7MB", "zero3", "by_size:1700000", 1, "ours"),  # two decoder layers per unit
     ("ours zero3 blocks checkpointed", "zero3", "blocks", 1, "ours", {"checkpoint_activations": True}),
+    ("ours zero3 blocks bf16", "zero3", "blocks", 1, "ours", {"mixed_precision": BF16}),
+    ("ours zero3 blocks bf16 reduce bf16", "zero3", "blocks", 1, "ours", {"mixed_precision": BF16_REDUCE}),
+    ("ours zero3 blocks offloaded", "zero3", "blocks", 1, "ours", {"offload_to": "cpu"}),
+    ("ours zero3 blocks 4 micro-batches", "zero3", "blocks", 1, "ours", {}, {"micro_batches": 4}),
+    ("ours zero3 blocks 4 micro no_sync", "zero3", "blocks", 1, "ours", {}, {"micro_batches": 4, "no_sync": True}),
 ]
 OURS_NOTES = {
     "ours zero3 blocks unscheduled": "unscheduled: no scheduling pass; each gather is issued right before its wait "
     "(nothing overlaps it)",
+    "ours zero3 blocks offloaded": "offloaded: shards, gradients, optimizer state on the CPU; on this CPU-only host "
+    "the copies to and from the 'device' are same-device copies (their cost, not a PCIe transfer's)",
+    "ours zero3 blocks 4 micro-batches": "4 micro-batches: each step runs forward+backward 4 times before the optimizer "
+    "(4x the compute of the other rows); the no_sync row reduce-scatters only on the last",
     "ours zero3 blocks thunder order": "thunder order: no scheduling pass, Thunder's torch executor, whose sort_waits "
     "issues every gather at the top of the forward/backward (all overlap, the whole model gathered at once)",
 }
@@ -72,17 +85,28 @@ THUNDER_ZERO3_NOTE = (
 
 
 class Trainer:
-    """One system's training step on this rank."""
+    """One system's training step on this rank.
 
-    def __init__(self, module: nn.Module, *, transform=None, parameters=None):
+    ``micro_batches`` K > 1: each step runs K forward+backward passes over the batch (loss / K each) before the
+    optimizer step, as gradient accumulation does; ``no_sync``: the first K - 1 of them under
+    ``fsdp_pass.no_sync`` (no reduce-scatter), else every one reduce-scatters.
+    """
+
+    def __init__(self, module: nn.Module, *, transform=None, parameters=None, micro_batches=1, no_sync=False):
         self.module = module  # what is called: the wrapped module / ThunderModule
         self.transform = transform  # the FSDP transform object, for Thunder-based systems
         params = list(parameters if parameters is not None else module.parameters())
         self.optimizer = torch.optim.AdamW(params, lr=LR)
+        self.micro_batches, self.no_sync = micro_batches, no_sync
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        loss = loss_fn(self.module(idx), targets)
-        loss.backward()
+        from fsdp_pass import no_sync
+
+        for k in range(self.micro_batches):
+            accumulate = self.no_sync and k < self.micro_batches - 1
+            with no_sync(self.module) if accumulate else contextlib.nullcontext():
+                loss = loss_fn(self.module(idx), targets)
+                (loss / self.micro_batches).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
@@ -164,9 +188,15 @@ def thunder_fsdp_builder(sharding: str, bucketing: str) -> Callable[[nn.Module],
 
 
 def ours_builder(
-    strategy: str, units: str, prefetch: int | None, executors: str, options: dict | None = None
+    strategy: str,
+    units: str,
+    prefetch: int | None,
+    executors: str,
+    options: dict | None = None,
+    trainer_options: dict | None = None,
 ) -> Callable[[nn.Module], Trainer]:
-    """``options``: more keyword arguments of ``FSDP`` (e.g. ``checkpoint_activations``)."""
+    """``options``: more keyword arguments of ``FSDP`` (e.g. ``checkpoint_activations``); ``trainer_options``:
+    of :class:`Trainer` (``micro_batches``, ``no_sync``)."""
 
     def build(model: nn.Module) -> Trainer:
         import thunder
@@ -177,7 +207,7 @@ def ours_builder(
         schedule = None if prefetch is None else Schedule(prefetch=prefetch)
         transform = FSDP(strategy, units=policy, schedule=schedule, **(options or {}))
         jm = thunder.jit(model, transforms=[transform], executors=thunder_executors(executors))
-        return Trainer(jm, transform=transform)
+        return Trainer(jm, transform=transform, **(trainer_options or {}))
 
     return build
 

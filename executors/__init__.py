@@ -10,6 +10,7 @@ executor. Collectives are never fused, so they are the boundaries of the fusion 
 from __future__ import annotations
 
 import torch
+from fsdp_pass_executors import accumulation as _accumulation  # noqa: F401 - registers the accumulation ops
 from fsdp_pass_executors.collectives import WAIT_CLOCK, comm_ex
 
 __all__ = ["WAIT_CLOCK", "comm_ex", "describe", "executors_for", "nvfuser_available"]

@@ -3,7 +3,9 @@
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.explain import Explanation, explain
 from fsdp_pass.fake_group import fake_process_group
+from fsdp_pass.grad_accumulation import no_sync
 from fsdp_pass.layout import ShardLayout
+from fsdp_pass.mixed_precision import MixedPrecision
 from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
 from fsdp_pass.schedule import Schedule
 from fsdp_pass.state_dict import full_state_dict, load_full_state_dict
@@ -17,6 +19,7 @@ __all__ = [
     "Explanation",
     "FSDPError",
     "Groups",
+    "MixedPrecision",
     "PerParameter",
     "Schedule",
     "ShardLayout",
@@ -28,4 +31,5 @@ __all__ = [
     "fake_process_group",
     "full_state_dict",
     "load_full_state_dict",
+    "no_sync",
 ]

@@ -11,11 +11,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 from fsdp_pass import zoo
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.explain import OPTIMIZER_STATES
+from fsdp_pass.mixed_precision import MixedPrecision
 from fsdp_pass.schedule import Schedule
 from fsdp_pass.unit_policies import BySize
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="override the built-in config's number of layers")
     p.add_argument("--seq", type=int, default=None, help="override the built-in config's sequence length")
     p.add_argument("--batch", type=int, default=None, help="override the built-in config's batch per rank")
+    p.add_argument("--param-dtype", choices=sorted(_DTYPES), default=None, help="mixed precision: gather+compute dtype")
+    p.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default="float32", help="mixed precision: reduce dtype")
+    p.add_argument("--offload", action="store_true", help="shards, gradients, optimizer state on the CPU")
+    p.add_argument("--checkpoint", action="store_true", help="activation checkpointing in every unit")
     p.add_argument("--out", default=None, help="folder for forward_trace.py, backward_trace.py, explain.txt")
     return parser
 
@@ -54,8 +64,20 @@ def explain_command(ns) -> int:
     shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in args if hasattr(a, "shape"))
     print(f"example inputs per rank: {shapes}")
     schedule = None if ns.prefetch < 0 else Schedule(prefetch=ns.prefetch)
+    precision = None
+    if ns.param_dtype:
+        precision = MixedPrecision(_DTYPES[ns.param_dtype], _DTYPES[ns.reduce_dtype], output_dtype=torch.float32)
     run = dry_run(
-        module, args, ns.world_size, ns.strategy, units=_units(ns.units), schedule=schedule, optimizer=ns.optimizer
+        module,
+        args,
+        ns.world_size,
+        ns.strategy,
+        units=_units(ns.units),
+        schedule=schedule,
+        optimizer=ns.optimizer,
+        mixed_precision=precision,
+        offload_to="cpu" if ns.offload else None,
+        checkpoint_activations=ns.checkpoint,
     )
     print(
         f"traced and lowered as rank 0 of {ns.world_size} in {run.compile_seconds:.1f} s; executors: {', '.join(run.executors)}"

@@ -9,7 +9,10 @@
 2. per rank and step: bytes sent against the floor no ZeRO scheme can go below;
 3. per rank: predicted peak memory = sharded parameters + optimizer state + the step's peak (from the
    traces, :mod:`fsdp_pass.memory`), with the peak split into gathered parameters, tensors saved for
-   the backward and everything else (activations, gradients, temporaries).
+   the backward and everything else (activations, gradients, temporaries). With ``offload_to`` the
+   shards, their gradients and the optimizer state are counted on the host, not the device; the
+   accumulators :func:`fsdp_pass.no_sync` fills are listed apart;
+4. the options in force: mixed precision, offload, gradient accumulation, checkpointed units.
 
 ``explain(plan)`` on a :class:`~fsdp_pass.plan.UnitPlan` alone prints the sizes and the floors: the
 schedule and the step's memory need the traces.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 from fsdp_pass.errors import check, fail
 from fsdp_pass.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
+from fsdp_pass.mixed_precision import FULL_PRECISION, MixedPrecision
 from fsdp_pass.overlap import CollectiveOverlap, overlap_report
 from fsdp_pass.plan import Strategy, UnitPlan, format_table, human_bytes
 from fsdp_pass.trace_stats import StepStats, floor_bytes, step_stats
@@ -52,10 +56,18 @@ class MemoryPrediction:
     optimizer_states_per_element: int
     gradient_shards: int  # allocated in the backward (part of the step's peak), kept until zero_grad
     step: StepMemory | None  # None: explained from a plan, without traces
+    offloaded_to: str | None = None  # where shards, gradient shards and optimizer state live, if not the device
+    accumulator_bytes: int = 0  # unsharded gradients held while accumulating under no_sync
 
     @property
     def before_step(self) -> int:
-        return self.sharded_params + self.optimizer_state
+        """What stays on the device between steps (nothing of it when offloaded)."""
+        return 0 if self.offloaded_to else self.sharded_params + self.optimizer_state
+
+    @property
+    def host(self) -> int:
+        """Bytes kept on the offload device: shards, their gradients and the optimizer state."""
+        return self.sharded_params + self.optimizer_state + self.gradient_shards if self.offloaded_to else 0
 
     @property
     def peak(self) -> int | None:
@@ -69,6 +81,7 @@ class Explanation:
     memory: MemoryPrediction
     stats: StepStats | None  # the collectives of the traces; None for a plan alone
     param_bytes: int  # all parameters, unsharded
+    options: tuple[str, ...] = ()  # one line per option in force (mixed precision, offload, no_sync, ...)
 
     @property
     def world_size(self) -> int:
@@ -119,7 +132,7 @@ class Explanation:
             if self.stats is not None:
                 row += tuple(_collective_cell(c) for c in (u.forward_gathers, u.backward_gathers, u.reduce_scatters))
             rows.append(row)
-        return [head, *format_table(cols, rows)] + (
+        return [head, *(f"  {o}" for o in self.options), *format_table(cols, rows)] + (
             ["(issue..wait: op positions in the final trace, then the estimated FLOPs computed in between)"]
             if self.stats is not None
             else []
@@ -133,7 +146,7 @@ class Explanation:
             sent = self.stats.bytes_per_rank
             lines.append(
                 f"  communicated  {human_bytes(int(sent)):>10}  in {self.stats.breakdown()}"
-                f"  ({sent / floor:.2f}x the floor)"
+                + (f"  ({sent / floor:.2f}x the floor)" if floor else "")
             )
         lines.append(
             f"  floor         {human_bytes(int(floor)):>10}  (each of the {human_bytes(self.param_bytes)} "
@@ -145,11 +158,18 @@ class Explanation:
                 "the backward; this pass skips units the backward does not read, and the last unit)"
             )
         lines.append("Predicted memory per rank:")
-        lines.append(f"  sharded parameters      {human_bytes(m.sharded_params):>10}")
+        where = f"  (on {m.offloaded_to})" if m.offloaded_to else ""
+        lines.append(f"  sharded parameters      {human_bytes(m.sharded_params):>10}{where}")
         lines.append(
             f"  optimizer state         {human_bytes(m.optimizer_state):>10}  "
             f"({m.optimizer_states_per_element} state(s) per trainable element, e.g. Adam 2, SGD+momentum 1)"
+            + (f", on {m.offloaded_to}" if m.offloaded_to else "")
         )
+        if m.accumulator_bytes:
+            lines.append(
+                f"  no_sync accumulators    {human_bytes(m.accumulator_bytes):>10}  (unsharded gradients, held from "
+                "the first micro-batch in no_sync() to the step after it)"
+            )
         if m.step is None:
             lines.append("  step peak               (needs the traces: explain a jitted model after one step)")
             return lines
@@ -161,7 +181,11 @@ class Explanation:
         lines.append(
             f"    other tensors         {human_bytes(kinds.get(OTHER, 0)):>10}  (activations, gradients, temporaries)"
         )
-        lines.append(f"  peak                    {human_bytes(m.peak):>10}")
+        lines.append(f"  peak                    {human_bytes(m.peak):>10}" + ("  on the device" if m.offloaded_to else ""))
+        if m.offloaded_to:
+            lines.append(
+                f"  on {m.offloaded_to:<20} {human_bytes(m.host):>10}  (shards, gradient shards, optimizer state)"
+            )
         lines.append(
             f"  (the forward saves {human_bytes(s.saved_bytes)} for the backward, of which "
             f"{human_bytes(s.saved_gathered_bytes)} gathered parameters; peak unsharded parameters at any "
@@ -206,10 +230,13 @@ def explain_traces(
     unit_of_collective: dict | None = None,
     optimizer="adam",
     checkpointed=(),
+    precision: MixedPrecision = FULL_PRECISION,
+    offload_to: str | None = None,
 ) -> Explanation:
     """The explanation of ``plan`` and, when given, the final forward / backward traces of a step.
 
-    ``checkpointed``: names of the units whose activations are recomputed in the backward.
+    ``checkpointed``: names of the units whose activations are recomputed in the backward;
+    ``precision`` and ``offload_to``: the transform's options of those names.
     """
     sharding = plan.sharding
     owners = sharding.owners()
@@ -238,16 +265,41 @@ def explain_traces(
                 tuple(c for c in mine if c.kind == "reduce-scatter"),
             )
         )
+    reduce = precision.reduce_dtype or precision.param_dtype
+
+    def accumulator_itemsize(spec) -> int:
+        return spec.itemsize if reduce is None else reduce.itemsize
+
     memory = MemoryPrediction(
         sharded_params=shard_bytes,
         optimizer_state=states * trainable_shard_bytes,
         optimizer_states_per_element=states,
         gradient_shards=trainable_shard_bytes,
         step=step_memory(forward, backward) if forward is not None else None,
+        offloaded_to=None if offload_to is None else str(offload_to),
+        accumulator_bytes=sum(  # per unit, as the backward packs them (a tied parameter in each unit that reads it)
+            sharding.param(n).layout.shard_numel * sharding.world_size * accumulator_itemsize(sharding.param(n))
+            for u in plan.units
+            for n in u.params
+            if sharding.param(n).requires_grad
+        ),
     )
     stats = step_stats(forward, backward, sharding.world_size) if forward is not None else None
     param_bytes = sum(p.layout.numel * p.itemsize for p in owners)
-    return Explanation(plan, tuple(rows), memory, stats, param_bytes)
+    options = [f"mixed precision: {precision.describe()}"] if precision != FULL_PRECISION else []
+    if offload_to is not None:
+        options.append(
+            f"offload: shards, gradient shards and optimizer state live on {offload_to}; each unit is copied to the "
+            "device before its gather, each gradient shard back after its reduce-scatter"
+        )
+    options.append(
+        f"no_sync(): accumulating gradients holds {human_bytes(memory.accumulator_bytes)} of unsharded gradients "
+        f"per rank (vs {human_bytes(trainable_shard_bytes)} of gradient shards) and skips every reduce-scatter "
+        "until the step after it"
+    )
+    if checkpointed:
+        options.append(f"activation checkpointing: {len(checkpointed)} unit(s), recomputed from the backward's gather")
+    return Explanation(plan, tuple(rows), memory, stats, param_bytes, tuple(options))
 
 
 def explain(target, *, optimizer="adam") -> Explanation:
@@ -275,4 +327,6 @@ def explain(target, *, optimizer="adam") -> Explanation:
         fsdp._unit_of_collective,
         optimizer,
         fsdp.checkpointed_units,
+        fsdp.mixed_precision,
+        fsdp.offload_to,
     )

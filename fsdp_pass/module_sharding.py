@@ -1,6 +1,6 @@
 """Shard a ThunderModule's parameters in place of the originals (the transform's module step).
 
-``shard_module(thunder_module, group, strategy, device, broadcast_from) -> ShardingPlan``
+``shard_module(thunder_module, group, strategy, device, broadcast_from, release, offload_to) -> (plan, device, shard_device)``
 
 1. Check the input: a process group, parameters on one device.
 2. Name every parameter, with tied names pointing at the first name of their tensor.
@@ -61,10 +61,16 @@ def _materialize(module: torch.nn.Module, device: torch.device) -> None:
             sub.reset_parameters()
 
 
-def shard_module(thunder_module, group, strategy: Strategy, device, broadcast_from, release_originals: bool):
+def shard_module(
+    thunder_module, group, strategy: Strategy, device, broadcast_from, release_originals: bool, offload_to=None
+):
+    """Returns the plan, the compute device and the device the shards live on (``offload_to``, else the same)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     original = thunder_module._model
     device = resolve_device(original, device)
+    # a dry run (meta device) allocates nothing, offloaded or not; its traces still show the copies
+    shard_device = device if offload_to is None or device.type == "meta" else torch.device(offload_to)
+    pin = shard_device.type == "cpu" and device.type == "cuda"  # pinned host memory: copies to the GPU run async
     if device.type != "meta" and any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
         _materialize(original, device)  # on the meta device itself (a dry run) nothing is allocated
         # to_empty made new tensors: point the ThunderModule at them
@@ -100,12 +106,13 @@ def shard_module(thunder_module, group, strategy: Strategy, device, broadcast_fr
             full = thunder_module.get_parameter(spec.name).detach().to(device, copy=broadcast_from is not None)
             if broadcast_from is not None:
                 dist.broadcast(full, src=dist.get_global_rank(group, broadcast_from), group=group)
-            shard = torch.nn.Parameter(shard_tensor(full, spec.layout, rank), requires_grad=spec.requires_grad)
+            local = shard_tensor(full, spec.layout, rank).to(shard_device)
+            shard = torch.nn.Parameter(local.pin_memory() if pin else local, requires_grad=spec.requires_grad)
             for n2 in shared[spec.name]:
                 thunder_module._overrides_parameters[n2] = shard
             if release_originals:
-                _release(original, shared[spec.name], device)
-    return plan, device
+                _release(original, shared[spec.name], shard_device)
+    return plan, device, shard_device
 
 
 def _release(original: torch.nn.Module, names, device: torch.device) -> None:

@@ -136,6 +136,23 @@ _PACKING = _DIVISION | frozenset(
 )
 
 
+_CONVERSION = frozenset(
+    {
+        "to",
+        "convert_element_type",
+        prims.PrimIDs.CONVERT_ELEMENT_TYPE,
+        "torch_convert_element_type_prim_impl",
+        prims.PrimIDs.DEVICE_PUT,
+        "torch_device_put_prim_impl",
+    }
+)
+
+
+def is_conversion(bsym) -> bool:
+    """A cast to another dtype or a copy to another (or the same) device: mixed precision and offload."""
+    return _id(bsym) in _CONVERSION
+
+
 def is_division(bsym) -> bool:
     """A division (how gradients are averaged over ranks before their reduce-scatter)."""
     return _id(bsym) in _DIVISION

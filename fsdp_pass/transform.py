@@ -19,12 +19,15 @@ from __future__ import annotations
 from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
 
+from fsdp_pass import grad_accumulation
 from fsdp_pass.errors import check, fail
 from fsdp_pass.layout import shard_tensor
+from fsdp_pass.mixed_precision import resolve_mixed_precision
 from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, shard_module
 from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.overlap import OverlapReport, overlap_report
 from fsdp_pass.passes.annotate import annotate_collectives, units_of_collectives
+from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.parameter_args import parameter_names_of_args
@@ -71,6 +74,12 @@ class FSDP(Transform):
             (activation checkpointing, :mod:`~fsdp_pass.passes.checkpoint_units`): False, True (every
             unit), or a function ``Unit -> bool``. The recomputation reads the gather the backward
             does anyway: no extra collective.
+        mixed_precision: None (no casts), a :class:`~fsdp_pass.mixed_precision.MixedPrecision`, or a
+            dtype (gather and compute in it, reduce in float32). The shards stay in their dtype: the
+            optimizer steps on them as master weights.
+        offload_to: None, or the device the shards, their gradients (and so the optimizer state) live
+            on between uses, e.g. ``"cpu"``: each unit's shards are copied to ``device`` right before
+            its all-gather and its gradient shard is copied back after its reduce-scatter.
         release_original_parameters: replace the original module's full tensors with meta tensors
             once sharded, so each rank holds 1/N of the parameters.
         verify_ranks: at each compile, check that every rank issues the same collectives.
@@ -87,6 +96,8 @@ class FSDP(Transform):
         reshard_after_forward=None,
         schedule: Schedule | int | None = DEFAULT_SCHEDULE,
         checkpoint_activations=False,
+        mixed_precision=None,
+        offload_to=None,
         release_original_parameters: bool = True,
         verify_ranks: bool = True,
     ):
@@ -99,6 +110,11 @@ class FSDP(Transform):
         self.schedule = resolve_schedule(schedule)
         self.checkpoint_activations = _checkpoint_predicate(checkpoint_activations)
         self.checkpointed_units: tuple[str, ...] = ()  # latest compile
+        self.mixed_precision = resolve_mixed_precision(mixed_precision)
+        self.offload_to = offload_to
+        self.shard_device = None  # where the shards live: offload_to, else device
+        self.accumulation_key = grad_accumulation.new_key()  # no_sync's accumulators of this transform
+        self.grad_sync_mode = grad_accumulation.REDUCE  # latest compile
         self.release_original_parameters = release_original_parameters
         self.verify_ranks = verify_ranks
         self.group = None
@@ -117,8 +133,14 @@ class FSDP(Transform):
         self.group = check_process_group(self.process_group)
         check_not_sharded_yet(model)
         self.tree = ModuleTree.of(model._model)
-        self.sharding, self.device = shard_module(
-            model, self.group, self.strategy, self.device, self.broadcast_from, self.release_original_parameters
+        self.sharding, self.device, self.shard_device = shard_module(
+            model,
+            self.group,
+            self.strategy,
+            self.device,
+            self.broadcast_from,
+            self.release_original_parameters,
+            self.offload_to,
         )
         model._fsdp_pass_plan = self.sharding
 
@@ -129,10 +151,24 @@ class FSDP(Transform):
         self.unit_plan = plan_units(
             computation_trace, arg_params, self.sharding, self.units, self.tree, self.reshard_after_forward
         )
-        computation_trace = insert_unshards(computation_trace, self.unit_plan, arg_params, self.group)
+        self.grad_sync_mode = grad_accumulation.mode_of(self.accumulation_key)
+        if self.grad_sync_mode != grad_accumulation.REDUCE:
+            check_accumulation_executor(kwargs.get("executors_list", ()))
+        computation_trace = insert_unshards(
+            computation_trace,
+            self.unit_plan,
+            arg_params,
+            self.group,
+            precision=self.mixed_precision,
+            compute_device=None if self.offload_to is None else str(self.device),
+            grad_sync=(self.grad_sync_mode, self.accumulation_key),
+        )
+        computation_trace = cast_compute(computation_trace, self.mixed_precision, arg_params)
         self.checkpointed_units = tuple(u.name for u in self.unit_plan.units if self.checkpoint_activations(u))
         computation_trace = checkpoint_units(computation_trace, self.checkpointed_units)
-        prologue_trace = shard_prologue(prologue_trace, self.sharding, self.device)
+        prologue_trace = shard_prologue(
+            prologue_trace, self.sharding, self.shard_device, (self.accumulation_key, self.grad_sync_mode)
+        )
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
@@ -177,6 +213,9 @@ class FSDP(Transform):
             name = prefix + k
             if name in self.sharding:
                 v = shard_tensor(v.to(self.device), self.sharding.param(name).layout, self.sharding.rank)
+                v = v.to(self.shard_device)
+                if self.shard_device.type == "cpu" and self.device.type == "cuda":
+                    v = v.pin_memory()  # as shard_module does: async copies to the GPU
             out[k] = v
         return out
 
@@ -189,6 +228,15 @@ class FSDP(Transform):
                 v = gather_full(v, self.sharding.param(name).layout, self.group)
             out[k] = v
         return out
+
+
+def check_accumulation_executor(executors) -> None:
+    """The accumulation ops run on the ``fsdp_comm`` executor only: say so before lowering fails."""
+    check(
+        any(getattr(ex, "name", None) == "fsdp_comm" for ex in executors),
+        "Gradient accumulation (fsdp_pass.no_sync) needs the fsdp_comm executor, and it is not in executors=.",
+        "Jit with executors=fsdp_pass_executors.executors_for(device) (or put fsdp_pass_executors.comm_ex first).",
+    )
 
 
 def fsdp_of(jitted) -> FSDP:

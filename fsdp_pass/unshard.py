@@ -2,14 +2,21 @@
 
 Forward (what the symbol decomposes into, readable in the printed trace):
   1. pack: the unit's local shards, flattened and concatenated into one flat buffer;
-  2. ``all_gather`` of that buffer (async) and its ``wait``;
-  3. unpack: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
+  2. offload only: that buffer copied from where the shards live (the CPU) to the compute device;
+  3. mixed precision only: that buffer cast to ``param_dtype``, so the gather moves fewer bytes;
+  4. ``all_gather`` of that buffer (async) and its ``wait``;
+  5. unpack: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
 
 Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thunder derives it):
   1. each trainable parameter's full gradient padded with zero rows and laid out rank-major;
-  2. one flat buffer, pre-divided by the world size (averaging without overflow in low precision);
-  3. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the gradient of its own shard;
-  4. the shard gradients cut out of it.
+  2. one flat buffer, cast to ``reduce_dtype`` if set;
+  3. ``grad_sync="accumulate"`` (inside :func:`fsdp_pass.no_sync`): the buffer is added to the unit's
+     unsharded accumulator and the step ends there, with no collective; ``"flush"`` (the first step after
+     accumulating): the accumulator is added to the buffer and emptied;
+  4. pre-divided by the world size (averaging without overflow in low precision);
+  5. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the gradient of its own shard;
+  6. cast back to the shards' dtype and, offload only, copied back to where the shards live;
+  7. the shard gradients cut out of it.
 
 ZeRO-3 needs no extra op: the pass tags the forward ``unshard_unit`` with
 ``RECOMPUTE_IN_BACKWARD``, so Thunder's autodiff re-issues the all-gather in the backward instead of
@@ -23,6 +30,7 @@ from thunder.core.symbol import Symbol, bsym_header
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
 
+from fsdp_pass.grad_accumulation import accumulate_unsharded_grads, add_accumulated_grads
 from fsdp_pass.layout import ShardLayout
 from fsdp_pass.plan import collective_label
 
@@ -81,16 +89,25 @@ def _describe(unit_name, kind, layouts, itemsize, world_size):
     return collective_label(unit_name, kind, len(layouts), shard_numel * itemsize, world_size, padding)
 
 
-def _gather(shards, group, unit_name, full_shapes):
+def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None):
     world_size = group.size()
     layouts = _layouts(full_shapes, world_size)
-    with bsym_header(_describe(unit_name, "all-gather", layouts, shards[0].dtype.bytes, world_size)):
-        gathered = dist_prims.wait(dist_prims.all_gather(_pack_flat(shards), group, True, None))
+    flat = _pack_flat(shards)
+    if compute_device is not None:
+        with bsym_header(f"[fsdp] unit {unit_name!r}: copy the shards from {flat.device} to {compute_device}"):
+            flat = ltorch.to(flat, compute_device, copy=True)
+    if param_dtype is not None and param_dtype != flat.dtype:
+        with bsym_header(f"[fsdp] unit {unit_name!r}: cast the shards to {param_dtype} before the gather"):
+            flat = ltorch.to(flat, param_dtype)
+    with bsym_header(_describe(unit_name, "all-gather", layouts, flat.dtype.bytes, world_size)):
+        gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
     return _cut_rank_major(gathered, layouts, world_size)
 
 
-def unshard_unit_meta(shards, group, unit_name: str, full_shapes):
-    return _gather(shards, group, unit_name, full_shapes)
+def unshard_unit_meta(
+    shards, group, unit_name: str, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None, grad_sync=None
+):
+    return _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device)
 
 
 unshard_unit = Symbol(
@@ -101,10 +118,11 @@ unshard_unit = Symbol(
 )
 
 
-def reduce_scatter_grads(grads, group, unit_name: str, full_shapes):
-    """Average full gradients over ranks and give each rank its shard's part (one reduce-scatter)."""
-    world_size = group.size()
-    layouts = _layouts(full_shapes, world_size)
+def _flat_grads(grads, layouts, world_size, reduce_dtype):
+    """Full gradients -> one rank-major flat buffer (zero padding rows), in ``reduce_dtype`` if set."""
+    same_dtype = all(g.dtype == grads[0].dtype for g in grads)
+    if reduce_dtype is not None and not same_dtype:
+        grads = [ltorch.to(g, reduce_dtype) for g in grads]  # one dtype before packing
     padded = []
     for g, lay in zip(grads, layouts):
         rows = ltorch.reshape(g, (lay.rows, lay.row_numel))
@@ -112,10 +130,33 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes):
             rows = ltorch.pad(rows, (0, 0, 0, lay.padding_rows))
         padded.append(rows)
     flat = _flat_rank_major(padded, layouts, world_size)
+    if reduce_dtype is not None and flat.dtype != reduce_dtype:
+        flat = ltorch.to(flat, reduce_dtype)  # packed first: the cast copies once, from the smaller dtype
+    return flat
+
+
+def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype=None, grad_sync=None):
+    """Average full gradients over ranks and give each rank its shard's part (one reduce-scatter).
+
+    ``grad_sync``: None (reduce now), or ``(mode, key)`` with mode ``"accumulate"`` (add to the
+    accumulator ``key`` and return None: no collective) or ``"flush"`` (add the accumulator, empty it,
+    then reduce).
+    """
+    world_size = group.size()
+    layouts = _layouts(full_shapes, world_size)
+    flat = _flat_grads(grads, layouts, world_size, reduce_dtype)
+    if grad_sync is not None:
+        mode, key = grad_sync
+        if mode == "accumulate":
+            with bsym_header(f"[fsdp] unit {unit_name!r}: no_sync: add the unsharded gradients to {key!r}"):
+                accumulate_unsharded_grads(flat, key)
+            return None
+        with bsym_header(f"[fsdp] unit {unit_name!r}: add the gradients accumulated in {key!r} (and empty it)"):
+            flat = add_accumulated_grads(flat, key)
     flat = ltorch.true_divide(flat, world_size)  # pre-divide: sum of averages cannot overflow
-    with bsym_header(_describe(unit_name, "reduce-scatter grads", layouts, grads[0].dtype.bytes, world_size)):
+    with bsym_header(_describe(unit_name, "reduce-scatter grads", layouts, flat.dtype.bytes, world_size)):
         local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
-    return _cut_flat(local, layouts)
+    return local
 
 
 def _reduce_scalar_grad(grad, shape):
@@ -132,14 +173,26 @@ def _reduce_scalar_grad(grad, shape):
     return ltorch.sum(ltorch.reshape(grad, (-1,)), 0)
 
 
-def _unshard_unit_grad(shards, group, unit_name, full_shapes):
-    fulls = _gather(shards, group, unit_name, full_shapes)
+def _unshard_unit_grad(
+    shards, group, unit_name, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None, grad_sync=None
+):
+    fulls = _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device)
     trainable = [i for i, s in enumerate(shards) if s.requires_grad]
-    if trainable:
-        grads = [_reduce_scalar_grad(get_grad(fulls[i]), full_shapes[i]) for i in trainable]
-        shard_grads = reduce_scatter_grads(grads, group, unit_name, [full_shapes[i] for i in trainable])
-        for i, g in zip(trainable, shard_grads):
-            put_grad(shards[i], g)
+    if not trainable:
+        return fulls
+    grads = [_reduce_scalar_grad(get_grad(fulls[i]), full_shapes[i]) for i in trainable]
+    shapes = [full_shapes[i] for i in trainable]
+    local = reduce_scatter_grads(grads, group, unit_name, shapes, reduce_dtype, grad_sync)
+    if local is None:  # accumulated, not reduced: the shards get no gradient this step
+        return fulls
+    home = shards[trainable[0]]
+    if local.dtype != home.dtype:
+        local = ltorch.to(local, home.dtype)  # the optimizer steps on the shards' dtype (the master weights)
+    if compute_device is not None:
+        with bsym_header(f"[fsdp] unit {unit_name!r}: copy the shard gradients back to {home.device}"):
+            local = ltorch.to(local, home.device, copy=True)
+    for i, g in zip(trainable, _cut_flat(local, _layouts(shapes, group.size()))):
+        put_grad(shards[i], g)
     return fulls
 
 

@@ -7,11 +7,11 @@ import copy
 import thunder
 import torch
 import torch.distributed as dist
+from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, full_state_dict, load_full_state_dict
 from fsdp_pass.layout import ShardLayout
 from fsdp_pass.state_dict import gather_full
-from fsdp_pass_executors import executors_for
 from tests import models
 
 
@@ -19,13 +19,70 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def _norm_rel(ours, theirs) -> float:
+    """|ours - theirs| / |theirs|, the tensors taken together as one vector."""
+    diff = sum(float((a - b).double().pow(2).sum()) for a, b in zip(ours, theirs))
+    ref = sum(float(b.double().pow(2).sum()) for b in theirs)
+    return (diff / max(ref, 1e-30)) ** 0.5
+
+
 def _local(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     n = t.shape[0] // world_size
     return t[rank * n : (rank + 1) * n]
 
 
-def parity(model_name: str, strategy: str, steps: int = 5, per_rank_batch: int = 2, lr: float = 1e-2, **fsdp_kwargs):
-    """Train the FSDP model and a single-process reference on the same global batches; report errors."""
+def _cast_floats(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+class _MixedPrecisionReference:
+    """What FSDP with ``param_dtype=compute_dtype`` computes, in one process and without FSDP: each rank's
+    micro-batch through a ``compute_dtype`` copy of the float32 model (jitted by plain Thunder, so both sides
+    round the same decomposed ops), outputs back in float32, gradients averaged in float32 into the float32
+    master parameters."""
+
+    def __init__(self, reference, compute_dtype, reduce_dtype=torch.float32):
+        self.reference, self.compute_dtype, self.reduce_dtype = reference, compute_dtype, reduce_dtype
+        self.low = copy.deepcopy(reference).to(compute_dtype)
+        self.jitted = thunder.jit(self.low, executors=executors_for("cpu"))
+
+    def step(self, model_name, x, y, world_size):
+        """Gradients into ``reference``'s ``.grad``; returns the mean loss."""
+        with torch.no_grad():
+            for p, q in zip(self.reference.parameters(), self.low.parameters()):
+                q.copy_(p)
+                q.grad = None
+        losses, sums = [], [None] * len(list(self.low.parameters()))
+        for r in range(world_size):
+            out = self.jitted(_cast_floats(_local(x, r, world_size), self.compute_dtype)).float()
+            loss = models.loss_fn(model_name, out, _local(y, r, world_size))
+            loss.backward()
+            losses.append(loss.detach())
+            for i, q in enumerate(self.low.parameters()):  # pre-divided and summed in the reduce dtype
+                if q.grad is not None:
+                    part = q.grad.to(self.reduce_dtype) / world_size
+                    sums[i] = part if sums[i] is None else sums[i] + part
+                    q.grad = None
+        for p, total in zip(self.reference.parameters(), sums):
+            if total is not None:
+                p.grad = total.float()
+        return sum(losses) / world_size
+
+
+def parity(
+    model_name: str,
+    strategy: str,
+    steps: int = 5,
+    per_rank_batch: int = 2,
+    lr: float = 1e-2,
+    compute_dtype=None,
+    reduce_dtype=torch.float32,
+    **fsdp_kwargs,
+):
+    """Train the FSDP model and a single-process reference on the same global batches; report errors.
+
+    ``compute_dtype``, ``reduce_dtype``: the reference computes like ``MixedPrecision(compute_dtype,
+    reduce_dtype)`` (pass the matching ``mixed_precision=`` in ``fsdp_kwargs``)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reference = models.build(model_name)
     jm = thunder.jit(
@@ -36,13 +93,21 @@ def parity(model_name: str, strategy: str, steps: int = 5, per_rank_batch: int =
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
     ref_params = dict(reference.named_parameters())
 
-    loss_err, grad_err, losses, frozen_grads = [], [], [], []
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    mixed = None if compute_dtype is None else _MixedPrecisionReference(reference, compute_dtype, reduce_dtype)
+    loss_err, grad_err, norm_err, full_precision_err, losses, frozen_grads = [], [], [], [], [], []
     for step in range(steps):
         x, y = models.batch(model_name, per_rank_batch * world_size, 0)  # one fixed batch: the loss must fall
 
         ref_opt.zero_grad()
-        ref_loss = models.loss_fn(model_name, reference(x), y)
-        ref_loss.backward()
+        if compute_dtype is None:
+            ref_loss = models.loss_fn(model_name, reference(x), y)
+            ref_loss.backward()
+        else:
+            # how far plain float32 gradients are from the mixed-precision reference: the scale of its rounding
+            fp32_grads = torch.autograd.grad(models.loss_fn(model_name, reference(x), y), trainable)
+            ref_loss = mixed.step(model_name, x, y, world_size)
+            full_precision_err.append(_norm_rel(fp32_grads, [p.grad for p in trainable]))
 
         opt.zero_grad()
         loss = models.loss_fn(model_name, jm(_local(x, rank, world_size)), _local(y, rank, world_size))
@@ -54,7 +119,7 @@ def parity(model_name: str, strategy: str, steps: int = 5, per_rank_batch: int =
         loss_err.append(abs(float(mean_loss) - float(ref_loss)) / abs(float(ref_loss)))
         losses.append(float(mean_loss))
 
-        step_grad_err = 0.0
+        step_grad_err, ours, theirs = 0.0, [], []
         for spec in fsdp.sharding.owners():
             shard = jm.get_parameter(spec.name)
             if not spec.requires_grad:
@@ -62,11 +127,14 @@ def parity(model_name: str, strategy: str, steps: int = 5, per_rank_batch: int =
                 continue
             full_grad = gather_full(shard.grad, spec.layout, fsdp.group)
             step_grad_err = max(step_grad_err, _rel(full_grad, ref_params[spec.name].grad))
+            ours.append(full_grad)
+            theirs.append(ref_params[spec.name].grad)
             # padding rows of the shard stay exactly zero
             pad_start = spec.layout.rows - rank * spec.layout.rows_per_rank
             if 0 <= pad_start < spec.layout.rows_per_rank:
                 assert shard.detach().reshape(spec.layout.shard_shape)[pad_start:].abs().max() == 0
         grad_err.append(step_grad_err)
+        norm_err.append(_norm_rel(ours, theirs))
         opt.step()
         ref_opt.step()
 
@@ -76,6 +144,8 @@ def parity(model_name: str, strategy: str, steps: int = 5, per_rank_batch: int =
     return {
         "loss_rel_err": max(loss_err),
         "grad_rel_err": max(grad_err),
+        "grad_norm_rel_err": max(norm_err),  # all gradients as one vector: |ours - ref| / |ref|
+        "full_precision_grad_norm_rel_err": max(full_precision_err, default=0.0),
         "param_rel_err": param_err,
         "losses": losses,
         "frozen_grads_present": any(frozen_grads),
@@ -167,3 +237,71 @@ def no_parameters():
 
 def layout_of(shape, world_size):
     return ShardLayout(tuple(shape), world_size)
+
+
+def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, cycles: int = 2, **fsdp_kwargs):
+    """``no_sync`` gradient accumulation against one big batch in one process.
+
+    Each cycle: ``micro_batches - 1`` forward+backward under ``no_sync`` (no reduce-scatter), then one outside
+    it (one reduce-scatter per unit, of the sum), then an optimizer step. The reference takes the cycle's
+    whole global batch at once. Reports gradient errors, the collectives of each micro-batch and the bytes
+    the accumulators held.
+    """
+    from fsdp_pass import explain, no_sync
+    from fsdp_pass.grad_accumulation import pending_bytes
+    from fsdp_pass.measure import CollectiveBytes
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    reference = models.build(model_name)
+    jm = thunder.jit(
+        copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu")
+    )
+    fsdp = next(t for t in jm._lc_transforms if isinstance(t, FSDP))
+    opt = torch.optim.SGD(jm.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    ref_params = dict(reference.named_parameters())
+    per_micro = 2
+    grad_err, reduce_scatters, accumulated_bytes = [], [], []
+    for cycle in range(cycles):
+        x, y = models.batch(model_name, per_micro * micro_batches * world_size, cycle)
+        ref_opt.zero_grad()
+        models.loss_fn(model_name, reference(x), y).backward()
+
+        opt.zero_grad()
+        # rank r's micro-batch k: rows [(k * N + r) * per_micro, ...): the ranks together cover the batch
+        for k in range(micro_batches):
+            rows = slice((k * world_size + rank) * per_micro, (k * world_size + rank + 1) * per_micro)
+            last = k == micro_batches - 1
+            with CollectiveBytes() as sent:
+                if last:
+                    loss = models.loss_fn(model_name, jm(x[rows]), y[rows]) / micro_batches
+                    loss.backward()
+                else:
+                    with no_sync(jm):
+                        loss = models.loss_fn(model_name, jm(x[rows]), y[rows]) / micro_batches
+                        loss.backward()
+            reduce_scatters.append(sum(1 for kind, _ in sent.calls if kind == "reduce_scatter"))
+            if k == micro_batches - 2:
+                accumulated_bytes.append(pending_bytes(fsdp.accumulation_key))
+        err = 0.0
+        for spec in fsdp.sharding.owners():
+            if spec.requires_grad:
+                full = gather_full(jm.get_parameter(spec.name).grad, spec.layout, fsdp.group)
+                err = max(err, _rel(full, ref_params[spec.name].grad))
+        grad_err.append(err)
+        opt.step()
+        ref_opt.step()
+    # a plain step afterwards: the reduce-every-step variant, compiled now
+    loss = models.loss_fn(model_name, jm(x[:per_micro]), y[:per_micro])
+    loss.backward()
+    return {
+        "grad_rel_err": max(grad_err),
+        "reduce_scatters_per_micro_batch": reduce_scatters,
+        "units_with_grads": sum(
+            1 for u in fsdp.unit_plan.units if any(fsdp.sharding.param(p).requires_grad for p in u.params)
+        ),
+        "accumulated_bytes": accumulated_bytes,
+        "predicted_accumulator_bytes": explain(jm).memory.accumulator_bytes,
+        "left_pending": pending_bytes(fsdp.accumulation_key),
+        "compiles": thunder.cache_misses(jm),
+    }

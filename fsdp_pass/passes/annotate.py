@@ -8,9 +8,11 @@ are put back on the final forward and backward traces:
 1. an all-gather's unit: walk its input back through producers to the parameter shards it packs;
 2. a reduce-scatter's unit: walk its result forward through consumers to the gradients the trace
    returns (position ``i`` of the backward's return is the gradient of forward argument ``i``);
-3. each collective and its wait get a header line: unit, kind, parameters, bytes per rank; the op
-   that packs the unit's flat send buffer, the pre-division of gradients by the world size, and each
-   op that cuts a parameter out of a gathered buffer get a shorter one naming the unit (and parameter).
+3. each collective and its wait get a header line: unit, kind, parameters, bytes per rank (in the
+   dtype the collective moves); the op that packs the unit's flat send buffer, its casts and device
+   copies (mixed precision, offload), the pre-division of gradients by the world size, each op that
+   cuts a parameter out of a gathered buffer, and the casts and copies of a reduce-scatter's result
+   get a shorter one naming the unit (and parameter).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from thunder.core.trace import TraceProvenance, from_trace
 from fsdp_pass.plan import UnitPlan, collective_label
 from fsdp_pass.predicates import (
     is_all_gather,
+    is_conversion,
     is_division,
     is_getitem,
     is_packing,
@@ -71,9 +74,9 @@ def _returned_positions(proxy, consumers, return_values) -> set[int]:
     return hits
 
 
-def _label(plan: UnitPlan, unit, kind: str) -> str:
+def _label(plan: UnitPlan, unit, kind: str, itemsize: int) -> str:
     _, shard_numel, padding = plan.unit_numel(unit)
-    shard_bytes = shard_numel * plan.unit_itemsize(unit)
+    shard_bytes = shard_numel * itemsize
     return collective_label(unit.name, kind, len(unit.params), shard_bytes, plan.sharding.world_size, padding)
 
 
@@ -110,21 +113,56 @@ def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
         if not (is_all_gather(bsym) or is_reduce_scatter(bsym)) or bsym.output.name not in found:
             continue
         unit, _ = found[bsym.output.name]
+        what = "gradient" if is_reduce_scatter(bsym) else "shard"
         op = producers.get(bsym.flat_proxy_args[0], None)
-        if op is not None and is_division(op):
-            headers[id(op)] = (
-                f"[fsdp] unit {unit.name!r}: gradients pre-divided by the world size "
-                f"{plan.sharding.world_size} (the reduce-scatter sums)"
-            )
+        while op is not None and (is_division(op) or is_conversion(op)):
+            if is_division(op):
+                headers[id(op)] = (
+                    f"[fsdp] unit {unit.name!r}: gradients pre-divided by the world size "
+                    f"{plan.sharding.world_size} (the reduce-scatter sums)"
+                )
+            else:
+                headers[id(op)] = _conversion_header(op, unit, f"{what}s", "before the " + _kind_of(bsym))
             op = producers.get(op.flat_proxy_args[0], None)
         if op is not None and is_packing(op):
-            what = "gradient" if is_reduce_scatter(bsym) else "shard"
             n = len(unit.params)
             headers[id(op)] = (
                 f"[fsdp] unit {unit.name!r}: pack {n} {what}s into one flat buffer"
                 if n > 1
                 else f"[fsdp] unit {unit.name!r}: flatten the {what}"
             )
+    return headers
+
+
+def _kind_of(bsym) -> str:
+    return "reduce-scatter" if is_reduce_scatter(bsym) else "all-gather"
+
+
+def _dtype(proxy) -> str:
+    return str(proxy.dtype).removeprefix("thunder.dtypes.")
+
+
+def _conversion_header(op, unit, what: str, when: str) -> str:
+    a, out = op.flat_proxy_args[0], op.output
+    if a.dtype != out.dtype:
+        return f"[fsdp] unit {unit.name!r}: cast the {what} from {_dtype(a)} to {_dtype(out)} {when}"
+    return f"[fsdp] unit {unit.name!r}: copy the {what} from {a.device.device_str()} to {out.device.device_str()} {when}"
+
+
+def _reduced_shard_headers(trace, found: dict) -> dict[int, str]:
+    """Headers for the casts and copies of a reduce-scatter's result back to the shards' dtype and device."""
+    consumers = utils.consumers(trace)
+    headers = {}
+    for bsym in trace.bound_symbols:
+        if not is_wait(bsym) or found.get(bsym.args[0].name, (None, ""))[1] != "reduce-scatter grads":
+            continue
+        unit, _ = found[bsym.args[0].name]
+        frontier = [bsym.output]
+        while frontier:
+            readers = [c for c in consumers.get(frontier.pop(), []) if is_conversion(c)]
+            for c in readers:
+                headers[id(c)] = _conversion_header(c, unit, "gradient shard", "for the optimizer")
+                frontier.append(c.output)
     return headers
 
 
@@ -153,10 +191,18 @@ def _unpacking_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
 
 def annotate_collectives(trace, plan: UnitPlan, found: dict):
     """``found``: what :func:`units_of_collectives` returns for ``trace``."""
-    headers = {name: _label(plan, unit, kind) for name, (unit, kind) in found.items()}
+    headers = {
+        b.output.name: _label(plan, *found[b.output.name], b.flat_proxy_args[0].dtype.bytes)
+        for b in trace.bound_symbols
+        if (is_all_gather(b) or is_reduce_scatter(b)) and b.output.name in found
+    }
     if not headers:
         return trace
-    op_headers = {**_packing_headers(trace, found, plan), **_unpacking_headers(trace, found, plan)}
+    op_headers = {
+        **_packing_headers(trace, found, plan),
+        **_unpacking_headers(trace, found, plan),
+        **_reduced_shard_headers(trace, found),
+    }
     new = from_trace(trace)
     for bsym in trace.bound_symbols:
         out = bsym.output if isinstance(bsym.output, Proxy) else None

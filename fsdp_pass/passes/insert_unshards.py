@@ -9,6 +9,10 @@
 3. Every read of a parameter is redirected to its gathered (full, unpadded) tensor.
 4. Units that reshard after forward (ZeRO-3) are tagged ``RECOMPUTE_IN_BACKWARD``: Thunder's
    autodiff then gathers them again in the backward instead of saving them.
+
+Options carried by each ``unshard_unit`` (see :mod:`fsdp_pass.unshard`): the gather and reduce dtypes
+of a :class:`~fsdp_pass.mixed_precision.MixedPrecision`, the compute device when the shards are
+offloaded, and the gradient-sync mode ``(mode, fsdp_key)`` of :mod:`fsdp_pass.grad_accumulation`.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from thunder.core.proxies import variableify
 from thunder.core.symbol import BoundSymbolTag
 from thunder.core.trace import TraceProvenance, from_trace, tracectx
 
-from fsdp_pass.plan import UnitPlan
+from fsdp_pass.grad_accumulation import REDUCE, accumulator_key
+from fsdp_pass.mixed_precision import FULL_PRECISION, MixedPrecision, thunder_dtype
 from fsdp_pass.passes.proxies import with_shape
+from fsdp_pass.plan import UnitPlan
 from fsdp_pass.predicates import is_return, is_unpack_trivial
 from fsdp_pass.unshard import unshard_unit
 
@@ -33,7 +39,17 @@ def sharded_arg_proxies(trace, plan: UnitPlan, arg_params: dict[str, str]) -> di
     return swap
 
 
-def insert_unshards(trace, plan: UnitPlan, arg_params: dict[str, str], group):
+def insert_unshards(
+    trace,
+    plan: UnitPlan,
+    arg_params: dict[str, str],
+    group,
+    *,
+    precision: MixedPrecision = FULL_PRECISION,
+    compute_device: str | None = None,
+    grad_sync: tuple[str, str] = (REDUCE, ""),
+):
+    mode, fsdp_key = grad_sync
     sharded = sharded_arg_proxies(trace, plan, arg_params)
     param_arg = {param: arg for arg, param in arg_params.items()}
     unit_of_arg = {param_arg[p]: u for u in plan.units for p in u.params}
@@ -49,7 +65,16 @@ def insert_unshards(trace, plan: UnitPlan, arg_params: dict[str, str], group):
         shapes = tuple(plan.sharding.param(p).layout.shape for p in unit.params)
         new.push_scope([])
         with tracectx(new):
-            fulls = unshard_unit(shards, group, unit.name, shapes)
+            fulls = unshard_unit(
+                shards,
+                group,
+                unit.name,
+                shapes,
+                thunder_dtype(precision.param_dtype),
+                thunder_dtype(precision.reduce_dtype),
+                compute_device,
+                None if mode == REDUCE else (mode, accumulator_key(fsdp_key, unit.name)),
+            )
         (bsym,) = new.pop_scope()
         if unit.reshard_after_forward:
             bsym.tags.add(BoundSymbolTag.RECOMPUTE_IN_BACKWARD)

@@ -1,7 +1,12 @@
 """Pass: make the prologue expect (and check) the sharded parameters the module now holds.
 
-``shard_prologue(prologue, plan) -> prologue``: the tensor produced by ``module.get_parameter(name)``
-gets its shard's shape, and the metadata check on it expects that shape and the shard's device.
+``shard_prologue(prologue, plan, device, grad_sync) -> prologue``:
+
+1. The tensor produced by ``module.get_parameter(name)`` gets its shard's shape, and the metadata check
+   on it expects that shape and the shard's device.
+2. One ``check_grad_sync(fsdp_key, mode)`` before the return: this compiled variant runs only while
+   :func:`fsdp_pass.no_sync` is in the mode it was compiled for (Thunder's cache tries the next
+   variant, or compiles one, when the check fails).
 """
 
 from __future__ import annotations
@@ -10,12 +15,13 @@ from thunder.core import devices
 from thunder.core.proxies import variableify
 from thunder.core.trace import TraceProvenance, from_trace
 
+from fsdp_pass.grad_accumulation import grad_sync_check
 from fsdp_pass.passes.proxies import with_shape
 from fsdp_pass.plan import ShardingPlan
-from fsdp_pass.predicates import is_shape_check, is_unpack_parameter
+from fsdp_pass.predicates import is_return, is_shape_check, is_unpack_parameter
 
 
-def shard_prologue(prologue, sharding: ShardingPlan, device):
+def shard_prologue(prologue, sharding: ShardingPlan, device, grad_sync: tuple[str, str]):
     device_str = devices.to_device(device).device_str()
     swap = {}
     for bsym in prologue.bound_symbols:
@@ -29,6 +35,8 @@ def shard_prologue(prologue, sharding: ShardingPlan, device):
         if is_shape_check(bsym) and variableify(bsym.args[0]) in swap:
             tensor, _, _, *rest = nbsym.args
             nbsym = nbsym.from_bsym(args=(tensor, tuple(tensor.shape), device_str, *rest))
+        if is_return(bsym):
+            new.bound_symbols.append(grad_sync_check(*grad_sync))
         new.bound_symbols.append(nbsym)
     new.set_provenance(TraceProvenance("fsdp_pass: sharded parameter checks"))
     return new

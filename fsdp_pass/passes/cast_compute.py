@@ -1,0 +1,86 @@
+"""Pass: run the forward in the mixed-precision compute dtype.
+
+``cast_compute(trace, precision, param_args) -> trace`` runs on the forward trace after
+:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`, whose gathers already return the
+parameters in ``precision.param_dtype``:
+
+1. Right after each floating input (or buffer) is unpacked, one ``to(x, param_dtype)`` casts it, so no
+   op mixes the gathered low-precision parameters with float32 activations. The parameter arguments
+   (the float32 shards) are left alone: only their gather casts them.
+2. Every later op is traced again on the new inputs, so the dtypes each op's result carries (and
+   everything Thunder derives from them: the backward, the lowering) follow the casts. Tags and
+   headers are kept (the ``RECOMPUTE_IN_BACKWARD`` of ZeRO-3's gathers, their labels).
+3. Floating outputs are cast to ``precision.output_dtype`` when one is set. The ``flat_args`` of the
+   return keep naming the original inputs: the gradients are for them, through the casts.
+"""
+
+from __future__ import annotations
+
+import thunder.torch as ltorch
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy, variableify
+from thunder.core.pytree import tree_flatten, tree_map
+from thunder.core.trace import TraceProvenance, from_trace, tracectx
+
+from fsdp_pass.mixed_precision import MixedPrecision, thunder_dtype
+from fsdp_pass.predicates import is_return, is_unpack_trivial, is_unshard_unit
+
+
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, TensorProxy) and dtypes.is_float_dtype(x.dtype)
+
+
+def cast_compute(trace, precision: MixedPrecision, param_args) -> object:
+    compute = thunder_dtype(precision.param_dtype)
+    output = thunder_dtype(precision.output_dtype)
+    if compute is None and output is None:
+        return trace
+    param_args = frozenset(param_args)
+    new = from_trace(trace)
+    swap: dict = {}  # variableified proxy of the old trace -> its replacement
+
+    def emit(fn, *args, **kwargs):
+        new.push_scope([])
+        out = fn(*args, **kwargs)
+        new.bound_symbols.extend(new.pop_scope())
+        return out
+
+    def cast(x, dtype):
+        return emit(ltorch.to, x, dtype) if _is_float_tensor(x) and x.dtype != dtype else x
+
+    with tracectx(new):
+        for bsym in trace.bound_symbols:
+            if is_unpack_trivial(bsym):
+                new.bound_symbols.append(bsym)
+                x = bsym.output
+                if compute is not None and getattr(x, "name", None) not in param_args:
+                    cast_x = cast(x, compute)
+                    if cast_x is not x:
+                        swap[variableify(x)] = cast_x
+                continue
+            if is_return(bsym):
+                (ret,) = bsym.args
+                out = tree_map(lambda x: swap.get(variableify(x), x) if isinstance(x, TensorProxy) else x, ret["output"])
+                if output is not None:
+                    out = tree_map(lambda x: cast(x, output), out)
+                new.bound_symbols.append(bsym.from_bsym(args=({**ret, "output": out},)))
+                continue
+            if is_unshard_unit(bsym):  # its outputs are already in the gather dtype: their readers are traced again
+                new.bound_symbols.append(bsym)
+                swap.update({variableify(p): p for p in bsym.flat_proxy_outs})
+                continue
+            if not any(variableify(p) in swap for p in bsym.flat_proxy_args):
+                new.bound_symbols.append(bsym)
+                continue
+            again = bsym.from_bsym_swap_proxies(swap)
+            new.push_scope([])
+            result = again.sym(*again.args, **again.kwargs)
+            (traced,) = new.pop_scope()
+            new.bound_symbols.append(traced.from_bsym(tags=set(bsym.tags), header=bsym.header))
+            olds, _ = tree_flatten(bsym.output)
+            news, _ = tree_flatten(result)
+            for old, rep in zip(olds, news):
+                if isinstance(old, TensorProxy) and rep is not old:
+                    swap[variableify(old)] = rep
+    new.set_provenance(TraceProvenance(f"fsdp_pass: compute in {precision.describe()}"))
+    return new
