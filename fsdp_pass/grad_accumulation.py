@@ -60,11 +60,11 @@ def no_sync(jitted):
     from fsdp_pass.transform import fsdp_of
 
     key = fsdp_of(jitted).accumulation_key
-    _syncing[key] = False
+    outer, _syncing[key] = _syncing[key], False
     try:
         yield
     finally:
-        _syncing[key] = True
+        _syncing[key] = outer  # nested blocks: the outer one still accumulates
 
 
 def accumulator_key(fsdp_key: str, unit_name: str) -> str:

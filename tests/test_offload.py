@@ -13,7 +13,6 @@ from fsdp_pass.dry_run import dry_run
 from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_conversion, is_reduce_scatter, is_wait
 from tests import explain_cases, rank_cases
 from tests.test_mixed_precision import TOL_SAME_CASTS
-from tests.test_parity import _check
 
 WORLD = 8
 
@@ -45,14 +44,14 @@ def test_copies_before_each_gather_and_after_each_reduce_scatter():
     assert "offload: shards, gradient shards and optimizer state live on cpu" in str(run.explanation)
 
 
-def test_parity_offloaded(ranks):
-    _check(ranks(2).run(rank_cases.parity, "llama_gqa", "zero3", offload_to="cpu"), 2)
-
-
 def test_parity_offloaded_with_mixed_precision(ranks):
+    """Offload with bf16 gathers (ZeRO-2) against the bf16 reference: identical (0.0 measured)."""
     precision = MixedPrecision(torch.bfloat16, output_dtype=torch.float32)
     results = ranks(2).run(
         rank_cases.parity, "llama_gqa", "zero2", compute_dtype=torch.bfloat16, offload_to="cpu", mixed_precision=precision
     )
-    assert results[0]["grad_norm_rel_err"] <= TOL_SAME_CASTS, results[0]
-    assert results[0]["losses"][-1] < results[0]["losses"][0]
+    r = results[0]
+    assert r["grad_norm_rel_err"] <= TOL_SAME_CASTS and r["loss_rel_err"] <= TOL_SAME_CASTS, r
+    assert r["losses"][-1] < r["losses"][0]
+    assert all(x["losses"] == r["losses"] for x in results)
+    assert all(x["schedule"] == r["schedule"] for x in results)

@@ -149,14 +149,18 @@ def _conversion_header(op, unit, what: str, when: str) -> str:
     return f"[fsdp] unit {unit.name!r}: copy the {what} from {a.device.device_str()} to {out.device.device_str()} {when}"
 
 
+def _waits(trace, found: dict, kind: str):
+    """(wait, unit) for each wait of a collective of ``kind`` in ``found``."""
+    for bsym in trace.bound_symbols:
+        if is_wait(bsym) and found.get(bsym.args[0].name, (None, ""))[1] == kind:
+            yield bsym, found[bsym.args[0].name][0]
+
+
 def _reduced_shard_headers(trace, found: dict) -> dict[int, str]:
     """Headers for the casts and copies of a reduce-scatter's result back to the shards' dtype and device."""
     consumers = utils.consumers(trace)
     headers = {}
-    for bsym in trace.bound_symbols:
-        if not is_wait(bsym) or found.get(bsym.args[0].name, (None, ""))[1] != "reduce-scatter grads":
-            continue
-        unit, _ = found[bsym.args[0].name]
+    for bsym, unit in _waits(trace, found, "reduce-scatter grads"):
         frontier = [bsym.output]
         while frontier:
             readers = [c for c in consumers.get(frontier.pop(), []) if is_conversion(c)]
@@ -170,10 +174,7 @@ def _unpacking_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
     """Headers for the ops that cut each parameter out of a gathered buffer: id(bsym) -> header."""
     consumers = utils.consumers(trace)
     headers = {}
-    for bsym in trace.bound_symbols:
-        if not is_wait(bsym) or found.get(bsym.args[0].name, (None, ""))[1] != "all-gather":
-            continue
-        unit, _ = found[bsym.args[0].name]
+    for bsym, unit in _waits(trace, found, "all-gather"):
         offsets, offset = {}, 0
         for name in unit.params:
             offsets[offset] = name
