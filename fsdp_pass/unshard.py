@@ -10,9 +10,9 @@ Forward (what the symbol decomposes into, readable in the printed trace):
 Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thunder derives it):
   1. each trainable parameter's full gradient padded with zero rows and laid out rank-major;
   2. one flat buffer, cast to ``reduce_dtype`` if set;
-  3. ``grad_sync="accumulate"`` (inside :func:`fsdp_pass.no_sync`): the buffer is added to the unit's
-     unsharded accumulator and the step ends there, with no collective; ``"flush"`` (the first step after
-     accumulating): the accumulator is added to the buffer and emptied;
+  3. ``grad_sync=("accumulate", key)`` (inside :func:`fsdp_pass.no_sync`): the buffer is added to the
+     unit's unsharded accumulator and the step ends there, with no collective; ``("flush", key)`` (the
+     first step after accumulating): the accumulator is added to the buffer and emptied;
   4. pre-divided by the world size (averaging without overflow in low precision);
   5. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the gradient of its own shard;
   6. cast back to the shards' dtype and, offload only, copied back to where the shards live;
