@@ -53,7 +53,6 @@ import os
 import pickle
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -68,6 +67,7 @@ from fsdp_pass_executors import WAIT_CLOCK
 from bench.collectives import CommsProfiler
 from bench.model import Config, build_model, make_batch, param_count
 from bench.peers import EXTRA_COLUMNS, all_systems, select
+from fsdp_pass.local_gloo import free_port
 from fsdp_pass.measure import allocated_during
 
 BYTES_PER_PARAM = 4  # fp32
@@ -404,12 +404,6 @@ def rank_main(rank: int, world: int, port: int, args):
         coord.drop_pg()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
@@ -419,7 +413,7 @@ def main(argv=None) -> int:
     select(all_systems(), args.only)  # fail early on a bad --only
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the CPU-only host: no "gpuGetDeviceCount failed" lines
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
     ctx = mp.start_processes(
         rank_main, args=(args.world, port, args), nprocs=args.world, join=False, start_method="spawn"

@@ -70,7 +70,6 @@ def shard_module(
     device = resolve_device(original, device)
     # a dry run (meta device) allocates nothing, offloaded or not; its traces still show the copies
     shard_device = device if offload_to is None or device.type == "meta" else torch.device(offload_to)
-    pin = shard_device.type == "cpu" and device.type == "cuda"  # pinned host memory: copies to the GPU run async
     if device.type != "meta" and any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
         _materialize(original, device)  # on the meta device itself (a dry run) nothing is allocated
         # to_empty made new tensors: point the ThunderModule at them
@@ -106,13 +105,20 @@ def shard_module(
             full = thunder_module.get_parameter(spec.name).detach().to(device, copy=broadcast_from is not None)
             if broadcast_from is not None:
                 dist.broadcast(full, src=dist.get_global_rank(group, broadcast_from), group=group)
-            local = shard_tensor(full, spec.layout, rank).to(shard_device)
-            shard = torch.nn.Parameter(local.pin_memory() if pin else local, requires_grad=spec.requires_grad)
+            local = place_shard(shard_tensor(full, spec.layout, rank), shard_device, device)
+            shard = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
             for n2 in shared[spec.name]:
                 thunder_module._overrides_parameters[n2] = shard
             if release_originals:
                 _release(original, shared[spec.name], shard_device)
     return plan, device, shard_device
+
+
+def place_shard(shard: torch.Tensor, shard_device: torch.device, device: torch.device) -> torch.Tensor:
+    """A shard where it lives between uses: ``shard_device``, in pinned memory when that is the CPU and the
+    compute ``device`` a GPU (so its copies to the GPU run asynchronously)."""
+    shard = shard.to(shard_device)
+    return shard.pin_memory() if shard_device.type == "cpu" and device.type == "cuda" else shard
 
 
 def _release(original: torch.nn.Module, names, device: torch.device) -> None:

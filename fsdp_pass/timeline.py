@@ -24,11 +24,9 @@ compete with the compute for CPU time.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import pickle
-import socket
 import tempfile
 import time
 from collections.abc import Iterable
@@ -41,7 +39,9 @@ import torch.multiprocessing as mp
 from fsdp_pass_executors import WAIT_CLOCK, executors_for
 
 from fsdp_pass.demo import TinyLM, counting_batch
+from fsdp_pass.local_gloo import free_port, init_local_gloo
 from fsdp_pass.overlap import OverlapReport
+from fsdp_pass.plan import format_table
 from fsdp_pass.predicates import collectives, is_all_gather, is_reduce_scatter
 from fsdp_pass.schedule import Schedule
 from fsdp_pass.transform import FSDP
@@ -212,21 +212,9 @@ def step_timelines(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned_rank(rank, world_size, port, result_path, timeout_s, schedules, kwargs):
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_local_gloo(rank, world_size, port, timeout_s)
     try:
         timelines = step_timelines(schedules, **kwargs)
     finally:
@@ -245,7 +233,7 @@ def record_timelines(
         result_path = os.path.join(tmp, "timelines.pkl")
         mp.start_processes(
             _spawned_rank,
-            args=(world_size, _free_port(), result_path, timeout_s, schedules, kwargs),
+            args=(world_size, free_port(), result_path, timeout_s, schedules, kwargs),
             nprocs=world_size,
             join=True,
             start_method="spawn",
@@ -255,13 +243,6 @@ def record_timelines(
 
 
 # ------------------------------------------------------------------------------------------- tables
-def _table(header: tuple, rows: list[tuple]) -> str:
-    lines = [header, *rows]
-    widths = [max(len(str(row[c])) for row in lines) for c in range(len(header))]
-    out = [header, tuple("-" * w for w in widths), *rows]
-    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in out)
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
@@ -282,7 +263,7 @@ def compare_timelines(timelines: Iterable[StepTimeline]) -> str:
         for t in timelines
     ]
     header = ("schedule", "step", "forward", "backward", "blocked", "fwd / bwd", "of step", "exposed (static)")
-    return _table(header, rows)
+    return "\n".join(format_table(header, rows))
 
 
 def blocked_by_collective(timelines: Iterable[StepTimeline]) -> str:
@@ -291,7 +272,7 @@ def blocked_by_collective(timelines: Iterable[StepTimeline]) -> str:
     by_key = [{(c.phase, c.kind, c.unit): c for c in t.collectives} for t in timelines]
     keys = dict.fromkeys(key for seen in by_key for key in seen)
     rows = [(*key, *(_ms(seen[key].blocked) if key in seen else "-" for seen in by_key)) for key in keys]
-    return _table(("phase", "collective", "unit", *(t.label for t in timelines)), rows)
+    return "\n".join(format_table(("phase", "collective", "unit", *(t.label for t in timelines)), rows))
 
 
 # ------------------------------------------------------------------------------------------ drawing

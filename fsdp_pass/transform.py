@@ -23,7 +23,7 @@ from fsdp_pass import grad_accumulation
 from fsdp_pass.errors import check, fail
 from fsdp_pass.layout import shard_tensor
 from fsdp_pass.mixed_precision import resolve_mixed_precision
-from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, shard_module
+from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.module_tree import ModuleTree
 from fsdp_pass.overlap import OverlapReport, overlap_report
 from fsdp_pass.passes.annotate import annotate_collectives, units_of_collectives
@@ -114,7 +114,6 @@ class FSDP(Transform):
         self.offload_to = offload_to
         self.shard_device = None  # where the shards live: offload_to, else device
         self.accumulation_key = grad_accumulation.new_key()  # no_sync's accumulators of this transform
-        self.grad_sync_mode = grad_accumulation.REDUCE  # latest compile
         self.release_original_parameters = release_original_parameters
         self.verify_ranks = verify_ranks
         self.group = None
@@ -151,8 +150,8 @@ class FSDP(Transform):
         self.unit_plan = plan_units(
             computation_trace, arg_params, self.sharding, self.units, self.tree, self.reshard_after_forward
         )
-        self.grad_sync_mode = grad_accumulation.mode_of(self.accumulation_key)
-        if self.grad_sync_mode != grad_accumulation.REDUCE:
+        grad_sync = (grad_accumulation.mode_of(self.accumulation_key), self.accumulation_key)
+        if grad_sync[0] != grad_accumulation.REDUCE:
             check_accumulation_executor(kwargs.get("executors_list", ()))
         computation_trace = insert_unshards(
             computation_trace,
@@ -161,14 +160,12 @@ class FSDP(Transform):
             self.group,
             precision=self.mixed_precision,
             compute_device=None if self.offload_to is None else str(self.device),
-            grad_sync=(self.grad_sync_mode, self.accumulation_key),
+            grad_sync=grad_sync,
         )
         computation_trace = cast_compute(computation_trace, self.mixed_precision, arg_params)
         self.checkpointed_units = tuple(u.name for u in self.unit_plan.units if self.checkpoint_activations(u))
         computation_trace = checkpoint_units(computation_trace, self.checkpointed_units)
-        prologue_trace = shard_prologue(
-            prologue_trace, self.sharding, self.shard_device, (self.accumulation_key, self.grad_sync_mode)
-        )
+        prologue_trace = shard_prologue(prologue_trace, self.sharding, self.shard_device, grad_sync)
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
@@ -213,9 +210,7 @@ class FSDP(Transform):
             name = prefix + k
             if name in self.sharding:
                 v = shard_tensor(v.to(self.device), self.sharding.param(name).layout, self.sharding.rank)
-                v = v.to(self.shard_device)
-                if self.shard_device.type == "cpu" and self.device.type == "cuda":
-                    v = v.pin_memory()  # as shard_module does: async copies to the GPU
+                v = place_shard(v, self.shard_device, self.device)
             out[k] = v
         return out
 

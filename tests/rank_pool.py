@@ -13,38 +13,27 @@ from __future__ import annotations
 import importlib
 import os
 import queue
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
+
+from fsdp_pass.local_gloo import free_port
 
 
 class RankError(AssertionError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world_size, port, jobs, results, collective_timeout_s):
-    import datetime
-
     import torch
     import torch.distributed as dist
 
+    from fsdp_pass.local_gloo import init_local_gloo
+
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=collective_timeout_s),
-    )
+    init_local_gloo(rank, world_size, port, collective_timeout_s)
     while True:
         job = jobs.get()
         if job is None:
@@ -64,7 +53,7 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(
                 target=_worker,

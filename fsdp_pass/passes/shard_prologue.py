@@ -22,6 +22,8 @@ from fsdp_pass.predicates import is_return, is_shape_check, is_unpack_parameter
 
 
 def shard_prologue(prologue, sharding: ShardingPlan, device, grad_sync: tuple[str, str]):
+    """``grad_sync``: the ``(mode, fsdp_key)`` the computation trace was built for."""
+    mode, fsdp_key = grad_sync
     device_str = devices.to_device(device).device_str()
     swap = {}
     for bsym in prologue.bound_symbols:
@@ -36,7 +38,7 @@ def shard_prologue(prologue, sharding: ShardingPlan, device, grad_sync: tuple[st
             tensor, _, _, *rest = nbsym.args
             nbsym = nbsym.from_bsym(args=(tensor, tuple(tensor.shape), device_str, *rest))
         if is_return(bsym):
-            new.bound_symbols.append(grad_sync_check(*grad_sync))
+            new.bound_symbols.append(grad_sync_check(fsdp_key, mode))
         new.bound_symbols.append(nbsym)
     new.set_provenance(TraceProvenance("fsdp_pass: sharded parameter checks"))
     return new
