@@ -89,8 +89,7 @@ def measured_against_predicted(jm, x, y, device, repeats: int = 3) -> str:
         f"{repeats} more forward + backward passes, measured on rank {dist.get_rank()} (predicted by explain()):\n"
         f"  bytes sent        {sent.bytes_sent_per_rank:,.0f} B  (predicted {e.bytes_per_rank:,.0f} B)\n"
         f"  step peak memory  {' / '.join(f'{p:,}' for p in peaks)} B  (predicted {e.memory.step.peak_bytes:,} B)\n"
-        "  (a pass measures more when gloo's worker thread lets go of a send buffer after its wait;\n"
-        f"   not counted: the process group's own scratch copies, up to {human_bytes(max(scratch))})"
+        f"  (not counted: the process group's own scratch copies, up to {human_bytes(max(scratch))})"
     )
 
 

@@ -12,12 +12,24 @@ Allocations made inside the process group's own calls (profiler ops named ``c10d
 ``gloo:...``) are counted apart: gloo copies each collective's full buffer into scratch memory, on the
 calling thread or its worker thread, and frees it when the collective completes, a moment that depends
 on timing. NCCL allocates no such tensors. A block belongs to whoever allocated it, whoever frees it.
+
+Frees the profiler loses: a gloo work holds its input and output tensors, and when its worker thread
+drops the work after the calling thread has dropped every other reference, the tensor is freed on the
+worker thread outside the work's profiling context, and no free is recorded. ``allocated_during``
+therefore marks the end of each collective's wait in the profile (``fsdp_measure::waited N``) and
+notes the collective's buffers; a buffer whose free is missing is freed at its collective's wait,
+where the worker lets go of it (a few microseconds later in fact). Without this, a step measures one
+or more send buffers too many, at random.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,22 +50,96 @@ class CollectiveBytes:
         return sum(b for _, b in self.calls) * (n - 1) / n
 
     def __enter__(self):
-        self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
-        gather, scatter = self._saved
+        def record(kind, out, inp, call):
+            self.calls.append((kind, (out if kind == "all_gather" else inp).nbytes))
+            return call()
 
-        def all_gather_into_tensor(out, inp, *args, **kwargs):
-            self.calls.append(("all_gather", out.numel() * out.element_size()))
-            return gather(out, inp, *args, **kwargs)
-
-        def reduce_scatter_tensor(out, inp, *args, **kwargs):
-            self.calls.append(("reduce_scatter", inp.numel() * inp.element_size()))
-            return scatter(out, inp, *args, **kwargs)
-
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = all_gather_into_tensor, reduce_scatter_tensor
+        self._intercept = _InterceptCollectives(record).__enter__()
         return self
 
     def __exit__(self, *exc):
+        self._intercept.__exit__(*exc)
+
+
+class _InterceptCollectives:
+    """While open, every ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` call goes
+    through ``around(kind, out, inp, call)``, which must return ``call()``'s result."""
+
+    def __init__(self, around):
+        self.around = around
+
+    def __enter__(self):
+        self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = (
+            self._wrapped(kind, f) for kind, f in zip(("all_gather", "reduce_scatter"), self._saved)
+        )
+        return self
+
+    def _wrapped(self, kind, collective):
+        signature = inspect.signature(collective)
+
+        @functools.wraps(collective)  # so that a second interception reads the same signature
+        def wrapper(*args, **kwargs):  # callers name the tensors (FSDP2: output=, input=) or not
+            out, inp = list(signature.bind(*args, **kwargs).arguments.values())[:2]
+            return self.around(kind, out, inp, lambda: collective(*args, **kwargs))
+
+        return wrapper
+
+    def __exit__(self, *exc):
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self._saved
+
+
+_ISSUED, _WAITED = "fsdp_measure::issued ", "fsdp_measure::waited "
+_MARKS = (_ISSUED, _WAITED)
+
+
+class _WaitMarkedWork(dist.Work):
+    """A collective's work whose ``wait()`` leaves a ``fsdp_measure::waited N`` event in the profile.
+    A ``Work`` itself, as callers (FSDP2) check ``isinstance(work, Work)`` before they wait."""
+
+    def __init__(self, work, index: int):
+        super().__init__()
+        self._work, self._index = work, index
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        _mark(_WAITED, self._index)
+        return result
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def get_future(self):
+        return self._work.get_future()
+
+
+def _mark(what: str, index: int) -> None:
+    with torch.profiler.record_function(f"{what}{index}"):
+        pass
+
+
+class _CollectiveBuffers:
+    """Notes each collective's memory blocks: their addresses, and weak references to their storages
+    that tell, after the window, whether they are gone (the tensors' lifetimes stay as they are)."""
+
+    def __init__(self):
+        self.blocks: list[list[tuple[int, weakref.ref]]] = []  # collective N -> [(address, storage)]
+
+    def __call__(self, kind, out, inp, call):
+        index = len(self.blocks)
+        self.blocks.append([(t.untyped_storage().data_ptr(), weakref.ref(t.untyped_storage())) for t in (out, inp)])
+        _mark(_ISSUED, index)
+        work = call()
+        if work is None:  # a blocking call: waited on already
+            _mark(_WAITED, index)
+            return None
+        return _WaitMarkedWork(work, index)
+
+    def gone(self) -> list[set[int]]:
+        """Collective N -> addresses of its buffers freed by now (a worker thread may lag a moment)."""
+        if any(ref() is not None for blocks in self.blocks for _, ref in blocks):
+            time.sleep(0.01)
+        return [{ptr for ptr, ref in blocks if ref() is None} for blocks in self.blocks]
 
 
 @dataclass(frozen=True)
@@ -97,28 +183,66 @@ def allocated_during(fn, device: str | torch.device = "cpu") -> Allocations:
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # read once, at the profiler's first start: errors only
     device = torch.device(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with warnings.catch_warnings():
+    buffers = _CollectiveBuffers()
+    with warnings.catch_warnings(), _InterceptCollectives(buffers):
         warnings.simplefilter("ignore")
         with profile(activities=activities, profile_memory=True) as prof:
             fn()
-    nodes = sorted(
+    events = sorted(
         (
             n
             for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
-            if n.typed[0] == _EventType.Allocation and n.typed[1].device.type == device.type
+            if n.name.startswith(_MARKS)
+            or (n.typed[0] == _EventType.Allocation and n.typed[1].device.type == device.type)
         ),
         key=lambda n: n.start_time_ns,
     )
-    by_group: dict[int, bool] = {}  # live pointer -> allocated inside a process-group call
+    freed_unseen = _blocks_freed_unseen(n for n in events if not n.name.startswith(_MARKS))
+    gone = buffers.gone()
+    live: dict[int, tuple[int, int, bool]] = {}  # address -> (allocation event id, bytes, inside the group)
+    held: dict[int, list[int]] = {}  # collective N -> allocation ids of its buffers, at its issue
     step, group = [], []
-    for n in nodes:
+    for n in events:
+        if n.name.startswith(_ISSUED):  # the blocks the collective holds until its wait
+            i = int(n.name[len(_ISSUED) :])
+            held[i] = [live[ptr][0] for ptr, _ in buffers.blocks[i] if ptr in live]
+            continue
+        if n.name.startswith(_WAITED):  # free those gone by now whose free the profiler did not see
+            i = int(n.name[len(_WAITED) :])
+            for ptr in gone[i]:
+                block = live.get(ptr)
+                if block and block[0] in freed_unseen and block[0] in held.get(i, ()):
+                    del live[ptr]
+                    (group if block[2] else step).append(-block[1])
+            continue
         fields = n.typed[1]
         if fields.alloc_size > 0:
-            by_group[fields.ptr] = _inside_process_group(n)
-            inside = by_group[fields.ptr]
-        else:  # a free: of a block allocated in the window, or of one from before it
-            inside = by_group.pop(fields.ptr, _inside_process_group(n))
+            if fields.ptr in live:  # the address is taken again: its block was freed, unseen, before
+                _, nbytes, inside = live.pop(fields.ptr)
+                (group if inside else step).append(-nbytes)
+            inside = _inside_process_group(n)
+            live[fields.ptr] = (id(n), fields.alloc_size, inside)
+        elif fields.ptr in live:
+            inside = live.pop(fields.ptr)[2]
+        else:  # a block allocated before the window
+            inside = _inside_process_group(n)
         (group if inside else step).append(fields.alloc_size)
     peak, net = _peak(step)
     group_peak, _ = _peak(group)
     return Allocations(peak, net, group_peak)
+
+
+def _blocks_freed_unseen(allocation_events) -> set[int]:
+    """Ids of the allocation events whose block is never seen freed: the next event at its address is
+    another allocation, or there is none."""
+    last_at: dict[int, int] = {}  # address -> id of the allocation event that holds it
+    unseen = set()
+    for n in allocation_events:
+        fields = n.typed[1]
+        if fields.alloc_size > 0:
+            if fields.ptr in last_at:
+                unseen.add(last_at[fields.ptr])
+            last_at[fields.ptr] = id(n)
+        else:
+            last_at.pop(fields.ptr, None)
+    return unseen | set(last_at.values())
