@@ -10,7 +10,7 @@ after the block adds the accumulators to its own gradients, empties them and red
 2. Each mode is its own compiled variant. The pass adds :data:`check_grad_sync` to the prologue, so
    Thunder's cache picks the variant compiled for the current mode and compiles a new one on a miss.
 3. The backward of the ``"accumulate"`` variant ends each unit with :data:`accumulate_unsharded_grads`; the
-   ``"flush"`` variant calls :data:`add_accumulated_grads` right before the pre-division.
+   ``"flush"`` variant calls :data:`add_accumulated_grads` right before the reduce-scatter.
 
 Memory: while accumulating, each rank holds a full unsharded gradient of every trainable parameter (the
 padded parameter count times the reduce dtype's bytes), not 1/N of it. ``explain()`` states the figure.

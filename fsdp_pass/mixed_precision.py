@@ -4,8 +4,10 @@
   gather moves half the bytes of float32) and the forward computes in it. Floating inputs and buffers
   are cast to it too, as FSDP2's ``cast_forward_inputs`` does, so no op mixes the two dtypes.
   The optimizer keeps stepping on the float32 shards: they are the master weights.
-- ``reduce_dtype`` (default float32): the unit's gradients are cast to it before the pre-division and
-  the reduce-scatter. bfloat16 halves those bytes too, at the cost of summing in bfloat16.
+- ``reduce_dtype`` (default float32): the unit's gradients are cast to it before the reduce-scatter.
+  bfloat16 halves those bytes too, at the cost of summing in bfloat16. float16 works as well; as a sum
+  of N float16 gradients can overflow, they are divided by the world size before the reduce-scatter,
+  not after.
 - ``output_dtype`` (default: leave the outputs as computed): floating outputs are cast to it.
 
 Numerics: with ``param_dtype=bfloat16`` the forward and backward round like a model cast with

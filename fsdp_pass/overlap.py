@@ -8,7 +8,9 @@ For every all-gather, reduce-scatter and all-reduce:
 2. the compute ops between the two, by name, and an estimate of their FLOPs (matmuls 2·m·n·k, attention
    4·b·h·s·s·d, other ops one per output element, fusion regions the sum of what they contain);
 3. ``exposed``: nothing computes between issue and wait, so the collective's whole time is waited for
-   (the first gather of a step always is: nothing is ready to compute before it).
+   (the first gather of a step always is: nothing is ready to compute before it). The ops that take
+   another collective's result apart (cutting parameters out of a gathered buffer, dividing a reduced
+   gradient shard by the world size) do not count as compute here.
 
 ``units`` (collective output name -> unit name, as :func:`~fsdp_pass.passes.annotate.units_of_collectives`
 gives) names the unit of each row; without it, rows are named by kind and position only, so the report
@@ -21,6 +23,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from fsdp_pass.collective_groups import graph, unpacking_group
 from fsdp_pass.plan import format_table, human_bytes
 from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_reduce_scatter, is_view_like, is_wait
 
@@ -78,12 +81,15 @@ def _kind(bsym) -> str:
 def collective_overlaps(trace, phase: str, units: dict[str, str] | None = None) -> list[CollectiveOverlap]:
     bsyms = trace.bound_symbols
     wait_at = {b.args[0].name: i for i, b in enumerate(bsyms) if is_wait(b)}
+    _, consumers = graph(bsyms)
+    # what takes a collective's result apart (cuts, the division of a reduced shard) hides nothing
+    unpacking = {j for w in wait_at.values() for j in unpacking_group(w, bsyms, consumers)[0]}
     rows = []
     for i, b in enumerate(bsyms):
         if not is_collective(b):
             continue
         w = wait_at.get(b.output.name, len(bsyms))
-        between = [x for x in bsyms[i + 1 : w] if is_compute(x)]
+        between = [x for j, x in enumerate(bsyms[i + 1 : w], i + 1) if j not in unpacking and is_compute(x)]
         full = b.output if is_all_gather(b) else b.flat_proxy_args[0]
         rows.append(
             CollectiveOverlap(

@@ -13,8 +13,10 @@ Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thun
   3. ``grad_sync=("accumulate", key)`` (inside :func:`fsdp_pass.no_sync`): the buffer is added to the
      unit's unsharded accumulator and the step ends there, with no collective; ``("flush", key)`` (the
      first step after accumulating): the accumulator is added to the buffer and emptied;
-  4. pre-divided by the world size (averaging without overflow in low precision);
-  5. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the gradient of its own shard;
+  4. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the sum of its own shard's part;
+  5. divided by the world size: the mean over ranks, computed on the shard (1/N of the buffer). Only
+     in float16 is the full buffer divided *before* the reduce-scatter: a sum of N float16 gradients
+     can overflow its range (65504), where bfloat16 and float32 have room;
   6. cast back to the shards' dtype and, offload only, copied back to where the shards live;
   7. the shard gradients cut out of it.
 
@@ -26,6 +28,7 @@ saving the gathered parameters.
 from __future__ import annotations
 
 import thunder.torch as ltorch
+from thunder.core import dtypes
 from thunder.core.symbol import Symbol, bsym_header
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
@@ -136,7 +139,8 @@ def _flat_grads(grads, layouts, world_size, reduce_dtype):
 
 
 def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype=None, grad_sync=None):
-    """Average full gradients over ranks and give each rank its shard's part (one reduce-scatter).
+    """Average full gradients over ranks and give each rank its shard's part (one reduce-scatter, then
+    a division of that part by the world size; in float16 the division comes first).
 
     ``grad_sync``: None (reduce now), or ``(mode, key)`` with mode ``"accumulate"`` (add to the
     accumulator ``key`` and return None: no collective) or ``"flush"`` (add the accumulator, empty it,
@@ -153,10 +157,16 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype
             return None
         with bsym_header(f"[fsdp] unit {unit_name!r}: add the gradients accumulated in {key!r} (and empty it)"):
             flat = add_accumulated_grads(flat, key)
-    flat = ltorch.true_divide(flat, world_size)  # pre-divide: sum of averages cannot overflow
+    divide_first = flat.dtype in _OVERFLOWING_SUMS
+    if divide_first:  # a sum of averages stays in range
+        flat = ltorch.true_divide(flat, world_size)
     with bsym_header(_describe(unit_name, "reduce-scatter grads", layouts, flat.dtype.bytes, world_size)):
         local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
-    return local
+    return local if divide_first else ltorch.true_divide(local, world_size)
+
+
+# dtypes in which the sum of N gradients can overflow, so the reduce-scatter sums averages instead
+_OVERFLOWING_SUMS = (dtypes.float16, dtypes.float16_)
 
 
 def _reduce_scalar_grad(grad, shape):

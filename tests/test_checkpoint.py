@@ -11,6 +11,7 @@ from fsdp_pass.dry_run import dry_run
 from fsdp_pass.predicates import is_all_gather
 from fsdp_pass.trace_stats import step_stats
 from tests import explain_cases, rank_cases
+from tests.dry_runs import model_dry_run
 from tests.test_parity import _check
 
 WORLD = 8
@@ -23,8 +24,7 @@ def _linears(trace) -> int:
 @pytest.fixture(scope="module", params=["zero2", "zero3"])
 def plain_and_checkpointed(request):
     runs = [
-        dry_run(*explain_cases.build_model("meta"), WORLD, request.param, checkpoint_activations=ck)
-        for ck in (False, True)
+        model_dry_run(WORLD, request.param, **({"checkpoint_activations": True} if ck else {})) for ck in (False, True)
     ]
     return request.param, runs
 

@@ -15,14 +15,14 @@ from fsdp_pass.dry_run import dry_run
 from fsdp_pass.memory import GATHERED, step_memory
 from fsdp_pass.predicates import is_all_gather
 from tests import explain_cases
+from tests.dry_runs import model_dry_run
 
 
 @pytest.fixture(scope="module", params=["zero2", "zero3"])
 def measured_and_dry(request, ranks):
     strategy = request.param
     measured = ranks(2).run(explain_cases.measured_step, strategy)
-    module, args = explain_cases.build_model("meta")
-    return strategy, measured, dry_run(module, args, 2, strategy)
+    return strategy, measured, model_dry_run(2, strategy)
 
 
 def test_predicted_bytes_match_a_gloo_run(measured_and_dry):
@@ -37,27 +37,25 @@ def test_predicted_bytes_match_a_gloo_run(measured_and_dry):
 
 
 def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
-    """The step's tensors peak where the traces say, to within 1 % (a few bytes, in practice).
+    """Every measured step's tensors peak where the traces say, to within 1 % (a few bytes, in practice).
 
-    A step can measure more when gloo's worker thread still holds a collective's send buffer after its
-    wait (it lets go a moment later). So the lowest of three measured steps is compared, and every
-    step is held below the prediction plus all the step's send buffers.
+    gloo's worker thread sometimes frees a collective's buffers where the profiler does not see it;
+    ``allocated_during`` puts those frees at the collective's wait (see fsdp_pass/measure.py). Before it
+    did, one step in five measured a send buffer or two too many.
     """
     _, measured, dry = measured_and_dry
     e = dry.explanation
     predicted = e.memory.step.peak_bytes
-    n = e.world_size  # an all-gather sends its shard, a reduce-scatter its full buffer
-    send_buffers = sum(c.full_bytes // n if c.kind == "all_gather" else c.full_bytes for c in e.stats.collectives)
     for r in measured:
         assert r["predicted_peak"] == predicted
-        assert abs(min(r["measured_peaks"]) - predicted) <= 0.01 * predicted, (r["measured_peaks"], predicted)
-        assert max(r["measured_peaks"]) <= predicted + send_buffers, (r["measured_peaks"], predicted, send_buffers)
+        peaks = r["measured_peaks"]
+        assert all(abs(p - predicted) <= 0.01 * predicted for p in peaks), (peaks, predicted)
     peak_kinds = dry.explanation.memory.step.peak_by_kind
     assert peak_kinds.get(GATHERED, 0) > 0, peak_kinds
 
 
 def test_zero3_predicts_less_gathered_memory_than_zero2():
-    zero2, zero3 = (dry_run(*explain_cases.build_model("meta"), 2, s).explanation for s in ("zero2", "zero3"))
+    zero2, zero3 = (model_dry_run(2, s).explanation for s in ("zero2", "zero3"))
     assert zero3.memory.step.saved_gathered_bytes < zero2.memory.step.saved_gathered_bytes
     assert zero3.bytes_per_rank > zero2.bytes_per_rank  # ZeRO-3 pays with a second gather
 
@@ -76,8 +74,7 @@ def test_explain_table_names_every_unit_and_collective(measured_and_dry):
 
 
 def test_explain_of_a_plan_alone():
-    module, args = explain_cases.build_model("meta")
-    plan = dry_run(module, args, 4, "zero3").explanation.plan
+    plan = model_dry_run(4, "zero3").explanation.plan
     e = explain(plan)
     assert e.stats is None and e.memory.peak is None
     assert "needs the traces" in str(e)
@@ -98,8 +95,7 @@ def test_explain_needs_a_compiled_fsdp_model():
 
 
 def _plan():
-    module, args = explain_cases.build_model("meta")
-    return dry_run(module, args, 2, "zero2").explanation.plan
+    return model_dry_run(2, "zero2").explanation.plan
 
 
 def test_dry_run_refuses_a_model_with_storage():
@@ -109,8 +105,7 @@ def test_dry_run_refuses_a_model_with_storage():
 
 def test_memory_prediction_follows_views_and_lifetimes():
     """A gathered buffer lives from its all-gather to the last use of any view cut from it."""
-    module, args = explain_cases.build_model("meta")
-    dry = dry_run(module, args, 4, "zero3")
+    dry = model_dry_run(4, "zero3")
     m = step_memory(dry.forward, dry.backward)
     gather_outputs = {b.output.name for b in dry.forward.bound_symbols if is_all_gather(b)}
     gathered = [b for b in m.forward.buffers if b.name in gather_outputs]
@@ -128,9 +123,8 @@ def test_memory_prediction_follows_views_and_lifetimes():
 
 
 def test_every_inserted_op_is_labelled_in_the_printed_traces():
-    """Pack, all-gather, wait, parameter cuts; pre-division, reduce-scatter: each names its unit."""
-    module, args = explain_cases.build_model("meta")
-    dry = dry_run(module, args, 4, "zero3")
+    """Pack, all-gather, wait, parameter cuts; reduce-scatter, wait, division: each names its unit."""
+    dry = model_dry_run(4, "zero3")
     forward, backward = str(dry.forward), str(dry.backward)
     for u in dry.explanation.units:
         many = len(u.params) > 1
@@ -141,9 +135,9 @@ def test_every_inserted_op_is_labelled_in_the_printed_traces():
         for p in u.params:
             cut = f"cut out {p}" if many else f"{p} is a view of the gathered buffer"
             assert f"# [fsdp] unit {u.name!r}: {cut}" in forward, cut
-        assert f"# [fsdp] unit {u.name!r}: gradients pre-divided by the world size 4" in backward
         assert f"# [fsdp] unit {u.name!r} reduce-scatter grads" in backward
         assert f"# [fsdp] wait: unit {u.name!r} reduce-scatter grads" in backward
+        assert f"# [fsdp] unit {u.name!r}: divide the gradient shard by the world size 4" in backward
 
 
 def test_cli_dry_run_of_a_7b_shaped_model_at_world_64(tmp_path, capsys):

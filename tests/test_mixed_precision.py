@@ -11,9 +11,10 @@ import torch
 
 from fsdp_pass import FSDPError, MixedPrecision
 from fsdp_pass.dry_run import dry_run
-from fsdp_pass.predicates import is_all_gather, is_conversion, is_reduce_scatter
+from fsdp_pass.predicates import is_all_gather, is_conversion, is_division, is_reduce_scatter, is_wait
 from fsdp_pass.trace_stats import step_stats
-from tests import explain_cases, rank_cases
+from tests import explain_cases, models, rank_cases
+from tests.dry_runs import model_dry_run
 
 WORLD = 8
 BF16 = torch.bfloat16
@@ -27,7 +28,7 @@ def runs():
         "bf16": MixedPrecision(BF16, output_dtype=torch.float32),
         "bf16_reduce": MixedPrecision(BF16, reduce_dtype=BF16, output_dtype=torch.float32),
     }
-    return {k: dry_run(*explain_cases.build_model("meta"), WORLD, "zero3", mixed_precision=v) for k, v in specs.items()}
+    return {k: model_dry_run(WORLD, "zero3", **({"mixed_precision": v} if v else {})) for k, v in specs.items()}
 
 
 def _bytes(run, kind):
@@ -67,6 +68,34 @@ def test_compute_runs_in_bf16(runs):
     grads = [g for g in ret.args[0] if g is not None]
     assert grads and all(str(g.dtype) == "thunder.dtypes.float32" for g in grads)
     assert "mixed precision: gather+compute bfloat16, reduce float32, outputs float32" in str(runs["bf16"].explanation)
+
+
+def _divisions_around_reduce_scatters(trace):
+    """(divisions feeding a reduce-scatter, divisions reading a reduce-scatter's wait), per reduce-scatter."""
+    producers = {b.output.name: b for b in trace.bound_symbols if hasattr(b.output, "name")}
+    readers = {}
+    for b in trace.bound_symbols:
+        for p in b.flat_proxy_args:
+            readers.setdefault(p.name, []).append(b)
+    scatters = [b for b in trace.bound_symbols if is_reduce_scatter(b)]
+    before = [is_division(producers[s.flat_proxy_args[0].name]) for s in scatters]
+    (waits,) = zip(*[[w for w in readers[s.output.name] if is_wait(w)] for s in scatters])
+    after = [any(is_division(r) for r in readers[w.output.name]) for w in waits]
+    return before, after
+
+
+def test_the_reduced_shard_is_divided_except_in_float16(runs):
+    """The mean over ranks is taken on the shard after the reduce-scatter (1/N of the bytes, no full-size
+    copy); float16 gradients are divided before it, as their sum could overflow."""
+    before, after = _divisions_around_reduce_scatters(runs["bf16_reduce"].backward)
+    assert before and not any(before) and all(after)
+    fp16 = MixedPrecision(torch.float16, reduce_dtype=torch.float16)
+    module = models.build("mlp").to("meta")
+    x, _ = models.batch("mlp", 8, 0)
+    run = dry_run(module, (x.to("meta"),), WORLD, "zero2", mixed_precision=fp16)
+    before, after = _divisions_around_reduce_scatters(run.backward)
+    assert before and all(before) and not any(after)
+    assert "before the reduce-scatter sums them (float16's range)" in str(run.backward)
 
 
 def test_bad_mixed_precision():

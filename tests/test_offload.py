@@ -9,17 +9,24 @@ has; the transfer cost and the device memory saved are not measured here.
 import torch
 
 from fsdp_pass import MixedPrecision
-from fsdp_pass.dry_run import dry_run
-from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_conversion, is_reduce_scatter, is_wait
-from tests import explain_cases, rank_cases
+from fsdp_pass.predicates import (
+    is_all_gather,
+    is_bookkeeping,
+    is_conversion,
+    is_division,
+    is_reduce_scatter,
+    is_wait,
+)
+from tests import rank_cases
+from tests.dry_runs import model_dry_run
 from tests.test_mixed_precision import TOL_SAME_CASTS
 
 WORLD = 8
 
 
 def test_copies_before_each_gather_and_after_each_reduce_scatter():
-    plain = dry_run(*explain_cases.build_model("meta"), WORLD, "zero3")
-    run = dry_run(*explain_cases.build_model("meta"), WORLD, "zero3", offload_to="cpu")
+    plain = model_dry_run(WORLD, "zero3")
+    run = model_dry_run(WORLD, "zero3", offload_to="cpu")
     for trace in (run.forward, run.backward):
         producers = {b.output.name: b for b in trace.bound_symbols if hasattr(b.output, "name")}
         for g in (b for b in trace.bound_symbols if is_all_gather(b)):
@@ -33,7 +40,9 @@ def test_copies_before_each_gather_and_after_each_reduce_scatter():
     waits = [b for b in run.backward.bound_symbols if is_wait(b) and b.args[0].name in futures]
     assert waits
     for w in waits:
-        (back,) = consumers[w.output.name]
+        (mean,) = consumers[w.output.name]  # the reduced shard divided by the world size, on the device
+        assert is_division(mean), mean
+        (back,) = consumers[mean.output.name]
         assert is_conversion(back) and "copy the gradient shard" in str(back.header), back
     # the same collectives, and the explanation counts shards and optimizer state off the device
     assert [b.sym.name for b in run.backward.bound_symbols if is_all_gather(b) or is_reduce_scatter(b)] == [

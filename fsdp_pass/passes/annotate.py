@@ -10,9 +10,9 @@ are put back on the final forward and backward traces:
    returns (position ``i`` of the backward's return is the gradient of forward argument ``i``);
 3. each collective and its wait get a header line: unit, kind, parameters, bytes per rank (in the
    dtype the collective moves); the op that packs the unit's flat send buffer, its casts and device
-   copies (mixed precision, offload), the pre-division of gradients by the world size, each op that
-   cuts a parameter out of a gathered buffer, and the casts and copies of a reduce-scatter's result
-   get a shorter one naming the unit (and parameter).
+   copies (mixed precision, offload), each op that cuts a parameter out of a gathered buffer, the
+   division of a reduce-scatter's result by the world size (of its input, in float16) and the casts
+   and copies of that result get a shorter one naming the unit (and parameter).
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
         while op is not None and (is_division(op) or is_conversion(op)):
             if is_division(op):
                 headers[id(op)] = (
-                    f"[fsdp] unit {unit.name!r}: gradients pre-divided by the world size "
-                    f"{plan.sharding.world_size} (the reduce-scatter sums)"
+                    f"[fsdp] unit {unit.name!r}: gradients divided by the world size "
+                    f"{plan.sharding.world_size} before the reduce-scatter sums them (float16's range)"
                 )
             else:
                 headers[id(op)] = _conversion_header(op, unit, f"{what}s", "before the " + _kind_of(bsym))
@@ -156,16 +156,22 @@ def _waits(trace, found: dict, kind: str):
             yield bsym, found[bsym.args[0].name][0]
 
 
-def _reduced_shard_headers(trace, found: dict) -> dict[int, str]:
-    """Headers for the casts and copies of a reduce-scatter's result back to the shards' dtype and device."""
+def _reduced_shard_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
+    """Headers for the division of a reduce-scatter's result by the world size, and its casts and copies
+    back to the shards' dtype and device."""
     consumers = utils.consumers(trace)
     headers = {}
     for bsym, unit in _waits(trace, found, "reduce-scatter grads"):
         frontier = [bsym.output]
         while frontier:
-            readers = [c for c in consumers.get(frontier.pop(), []) if is_conversion(c)]
+            readers = [c for c in consumers.get(frontier.pop(), []) if is_conversion(c) or is_division(c)]
             for c in readers:
-                headers[id(c)] = _conversion_header(c, unit, "gradient shard", "for the optimizer")
+                headers[id(c)] = (
+                    f"[fsdp] unit {unit.name!r}: divide the gradient shard by the world size "
+                    f"{plan.sharding.world_size} (the reduce-scatter summed): the mean over ranks"
+                    if is_division(c)
+                    else _conversion_header(c, unit, "gradient shard", "for the optimizer")
+                )
                 frontier.append(c.output)
     return headers
 
@@ -202,7 +208,7 @@ def annotate_collectives(trace, plan: UnitPlan, found: dict):
     op_headers = {
         **_packing_headers(trace, found, plan),
         **_unpacking_headers(trace, found, plan),
-        **_reduced_shard_headers(trace, found),
+        **_reduced_shard_headers(trace, found, plan),
     }
     new = from_trace(trace)
     for bsym in trace.bound_symbols:

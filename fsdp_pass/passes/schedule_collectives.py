@@ -20,7 +20,7 @@ every rank, and every recompile, issues the same collectives in the same order.
    step 2, sit just before the first use of their result (the backward's end at the latest), but no
    more than ``reduce_scatters_in_flight`` are outstanding: reduce-scatter ``k`` is waited before
    ``k + reduce_scatters_in_flight`` is issued (each one keeps its full-size input alive until then).
-5. The packing ops that feed only a collective (reshapes, ``cat``, ``pad``, the pre-division) move with
+5. The packing ops that feed only a collective (reshapes, ``cat``, ``pad``, casts) move with
    it, so a prefetched gather's send buffer is not built long before it is sent.
 6. A priority topological sort puts it together (a key per op: its old position, or the position it
    was given above; a second sort applies the reduce-scatter bound to the positions of the first),
@@ -37,6 +37,7 @@ from thunder.core.trace import TraceProvenance, from_trace
 from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
+from fsdp_pass.collective_groups import graph, packing_group, unpacking_group
 from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_packing, is_return, is_wait
 from fsdp_pass.schedule import Schedule
 
@@ -45,49 +46,6 @@ _EARLIEST = -math.inf
 
 def _without_lifetimes(bsyms):
     return [b for b in bsyms if b.sym.id != prims.PrimIDs.DEL and b.sym is not clear_mutable_collection]
-
-
-def _graph(bsyms):
-    """producer index of each proxy name, and the sorted consumer indices of each proxy name."""
-    producer, consumers = {}, {}
-    for i, b in enumerate(bsyms):
-        for p in b.flat_proxy_outs:
-            producer.setdefault(p.name, i)
-        for p in b.flat_proxy_args:
-            consumers.setdefault(p.name, []).append(i)
-    return producer, consumers
-
-
-def _packing_group(c: int, bsyms, producer, consumers) -> list[int]:
-    """``c`` and the packing ops whose results flow only into it (walking back from its input)."""
-    group, stack = {c}, [c]
-    while stack:
-        for p in bsyms[stack.pop()].flat_proxy_args:
-            j = producer.get(p.name)
-            if j is None or j in group or not is_packing(bsyms[j]):
-                continue
-            if all(k in group for o in bsyms[j].flat_proxy_outs for k in consumers.get(o.name, [])):
-                group.add(j)
-                stack.append(j)
-    return sorted(group)
-
-
-def _unpacking_group(w: int, bsyms, consumers) -> tuple[list[int], list[int], set[str]]:
-    """``w`` and the packing ops reading only what it returns (transitively), the other readers, and
-    the names of everything the group makes."""
-    group, made_here, stack, readers = {w}, {o.name for o in bsyms[w].flat_proxy_outs}, [w], set()
-    while stack:
-        for o in bsyms[stack.pop()].flat_proxy_outs:
-            for j in consumers.get(o.name, []):
-                if j in group:
-                    continue
-                if is_packing(bsyms[j]) and all(p.name in made_here for p in bsyms[j].flat_proxy_args):
-                    group.add(j)
-                    made_here.update(q.name for q in bsyms[j].flat_proxy_outs)
-                    stack.append(j)
-                else:
-                    readers.add(j)
-    return sorted(group), sorted(readers - group), made_here
 
 
 def _nbytes(proxy) -> int:
@@ -116,7 +74,7 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
     """``kept``: output names of the all-gathers whose units stay gathered for the backward."""
     bsyms = _without_lifetimes(trace.bound_symbols)
     had_clears = any(b.sym is clear_mutable_collection for b in trace.bound_symbols)  # a backward trace
-    producer, consumers = _graph(bsyms)
+    producer, consumers = graph(bsyms)
     (ret,) = [i for i, b in enumerate(bsyms) if is_return(b)]
     key = [(float(i), 0) for i in range(len(bsyms))]  # (position, order among ops placed at one position)
 
@@ -126,7 +84,7 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
     for c, b in enumerate(bsyms):
         if is_collective(b):
             (w,) = [j for j in consumers.get(b.output.name, []) if is_wait(bsyms[j])]
-            group, readers, made = _unpacking_group(w, bsyms, consumers)
+            group, readers, made = unpacking_group(w, bsyms, consumers)
             first_use = min(readers, default=ret)
             for j in group:
                 key[j] = (first_use - 0.5, 0)
@@ -148,7 +106,7 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
     issue_key.update({c: (_EARLIEST, 0) for c in wait_group if c not in issue_key})
     # 5. packing ops travel with their collective
     for c, at in issue_key.items():
-        for j in _packing_group(c, bsyms, producer, consumers):
+        for j in packing_group(c, bsyms, producer, consumers):
             key[j] = at
 
     # 6. priority topological sort; bound the reduce-scatters in flight; dels for the new order
