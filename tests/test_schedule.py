@@ -11,7 +11,6 @@ import itertools
 import weakref
 
 import pytest
-import thunder
 import torch
 from fsdp_pass_executors import collectives as comm
 from fsdp_pass_executors import executors_for
@@ -19,7 +18,7 @@ from thunder.core import prims
 from thunder.core.trace import from_trace
 from thunder.extend import get_executor
 
-from fsdp_pass import FSDP, FSDPError, Schedule, fake_process_group
+from fsdp_pass import FSDP, FSDPError, Schedule
 from fsdp_pass.overlap import is_compute
 from fsdp_pass.predicates import (
     is_all_gather,
@@ -29,24 +28,9 @@ from fsdp_pass.predicates import (
     is_view_like,
     is_wait,
 )
-from fsdp_pass.schedule import DEFAULT_SCHEDULE
 from fsdp_pass.trace_stats import step_stats
 from fsdp_pass.verify import check_collective_lifetimes, collective_sequence
-from tests import models
-
-WORLD = 8
-LAYERS = 3
-
-
-def compile_step(schedule=DEFAULT_SCHEDULE, executors=None, strategy="zero3"):
-    torch.manual_seed(0)
-    model = models.TinyLlama(n_layer=LAYERS)
-    with fake_process_group(WORLD):
-        fsdp = FSDP(strategy, schedule=schedule)
-        jm = thunder.jit(model, transforms=[fsdp], executors=executors or executors_for("cpu"))
-        x, y = models.batch("llama_gqa", 2, 0)
-        models.loss_fn("llama_gqa", jm(x), y).backward()
-        return thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1], fsdp
+from tests.llama_steps import LAYERS, WORLD, compile_step, shared_step
 
 
 def block_bytes(fsdp) -> int:
@@ -57,14 +41,14 @@ def block_bytes(fsdp) -> int:
 
 @pytest.fixture(scope="module")
 def compiled():
-    out = {"default": compile_step()}
+    out = {"default": shared_step("zero3")}  # FSDP("zero3"): the default schedule
     limit = block_bytes(out["default"][2])
     out["again"] = compile_step()
-    out["prefetch2"] = compile_step(Schedule(prefetch=2))
-    out["bounded"] = compile_step(Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1))
-    out["prefetch0"] = compile_step(Schedule(prefetch=0))
-    out["thunder_order"] = compile_step(None, executors=[get_executor("torch")])
-    out["zero2"] = compile_step(strategy="zero2")
+    out["prefetch2"] = compile_step(schedule=Schedule(prefetch=2))
+    out["bounded"] = compile_step(schedule=Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1))
+    out["prefetch0"] = compile_step(schedule=Schedule(prefetch=0))
+    out["thunder_order"] = compile_step(schedule=None, executors=[get_executor("torch")])
+    out["zero2"] = shared_step("zero2")
     return out
 
 

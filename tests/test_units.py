@@ -9,36 +9,30 @@ import pytest
 import thunder
 import torch
 import torch.nn as nn
+from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
 from fsdp_pass.trace_stats import floor_bytes, step_stats
-from fsdp_pass_executors import executors_for
-from tests import models
+from tests import llama_steps, models
+from tests.llama_steps import LAYERS, WORLD, llama
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
-
-WORLD = 8
-LAYERS = 3
-
-
-def llama():
-    torch.manual_seed(0)
-    return models.TinyLlama(n_layer=LAYERS)
 
 
 def compile_step(model, strategy, **fsdp_kwargs):
-    with fake_process_group(WORLD):
-        jm = thunder.jit(model, transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu"))
-        x, y = models.batch("llama_gqa", 2, 0)
-        models.loss_fn("llama_gqa", jm(x), y).backward()
-        fwd, bwd = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
-        return fwd, bwd, jm._lc_transforms[0].unit_plan
+    fwd, bwd, fsdp = llama_steps.compile_step(strategy, model=model, **fsdp_kwargs)
+    return fwd, bwd, fsdp.unit_plan
+
+
+def _shared(strategy):
+    fwd, bwd, fsdp = llama_steps.shared_step(strategy)
+    return fwd, bwd, fsdp.unit_plan
 
 
 @pytest.fixture(scope="module")
 def compiled():
     return {
-        "zero2": compile_step(llama(), "zero2"),
-        "zero3": compile_step(llama(), "zero3"),
+        "zero2": _shared("zero2"),
+        "zero3": _shared("zero3"),
         "zero3_all": compile_step(llama(), "zero3", reshard_after_forward=True),
     }
 
@@ -116,7 +110,7 @@ def test_class_and_glob_items():
 
 
 def test_by_size_merges_consecutive_units_up_to_the_budget():
-    plan_blocks = compile_step(llama(), "zero2")[2]
+    plan_blocks = _shared("zero2")[2]
     block_bytes = plan_blocks.unit_numel(plan_blocks.units[1])[0] * 4
     fwd, bwd, plan = compile_step(llama(), "zero2", units=BySize(2 * block_bytes + 1))
     assert "layers.0..layers.1" in [u.name for u in plan.units] or "embed..layers.0" in [u.name for u in plan.units]
