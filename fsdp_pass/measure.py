@@ -188,7 +188,7 @@ def allocated_during(fn, device: str | torch.device = "cpu") -> Allocations:
         warnings.simplefilter("ignore")
         with profile(activities=activities, profile_memory=True) as prof:
             fn()
-    events = sorted(
+    nodes = sorted(
         (
             n
             for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
@@ -197,52 +197,81 @@ def allocated_during(fn, device: str | torch.device = "cpu") -> Allocations:
         ),
         key=lambda n: n.start_time_ns,
     )
-    freed_unseen = _blocks_freed_unseen(n for n in events if not n.name.startswith(_MARKS))
-    gone = buffers.gone()
-    live: dict[int, tuple[int, int, bool]] = {}  # address -> (allocation event id, bytes, inside the group)
-    held: dict[int, list[int]] = {}  # collective N -> allocation ids of its buffers, at its issue
-    step, group = [], []
-    for n in events:
-        if n.name.startswith(_ISSUED):  # the blocks the collective holds until its wait
-            i = int(n.name[len(_ISSUED) :])
-            held[i] = [live[ptr][0] for ptr, _ in buffers.blocks[i] if ptr in live]
-            continue
-        if n.name.startswith(_WAITED):  # free those gone by now whose free the profiler did not see
-            i = int(n.name[len(_WAITED) :])
-            for ptr in gone[i]:
-                block = live.get(ptr)
-                if block and block[0] in freed_unseen and block[0] in held.get(i, ()):
-                    del live[ptr]
-                    (group if block[2] else step).append(-block[1])
-            continue
-        fields = n.typed[1]
-        if fields.alloc_size > 0:
-            if fields.ptr in live:  # the address is taken again: its block was freed, unseen, before
-                _, nbytes, inside = live.pop(fields.ptr)
-                (group if inside else step).append(-nbytes)
-            inside = _inside_process_group(n)
-            live[fields.ptr] = (id(n), fields.alloc_size, inside)
-        elif fields.ptr in live:
-            inside = live.pop(fields.ptr)[2]
-        else:  # a block allocated before the window
-            inside = _inside_process_group(n)
-        (group if inside else step).append(fields.alloc_size)
+    events = [
+        _mark_event(n.name)
+        if n.name.startswith(_MARKS)
+        else MemoryEvent("memory", n.typed[1].ptr, n.typed[1].alloc_size, _inside_process_group(n))
+        for n in nodes
+    ]
+    step, group = replay(events, [[ptr for ptr, _ in blocks] for blocks in buffers.blocks], buffers.gone())
     peak, net = _peak(step)
     group_peak, _ = _peak(group)
     return Allocations(peak, net, group_peak)
 
 
-def _blocks_freed_unseen(allocation_events) -> set[int]:
-    """Ids of the allocation events whose block is never seen freed: the next event at its address is
+def _mark_event(name: str) -> MemoryEvent:
+    kind, index = name.removeprefix("fsdp_measure::").split()  # "issued 3" / "waited 3"
+    return MemoryEvent(kind, collective=int(index))
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One event of a profile: an allocation (``nbytes`` > 0) or a free (< 0) at ``address``, made inside
+    a process-group call or not; or the mark of collective N's issue (``"issued"``) or wait (``"waited"``)."""
+
+    kind: str  # "memory", "issued" or "waited"
+    address: int = 0
+    nbytes: int = 0
+    inside_group: bool = False
+    collective: int = -1
+
+
+def replay(events, collective_blocks, gone) -> tuple[list[int], list[int]]:
+    """The allocations and frees (negative) of the step's tensors and of the process group's, in time order,
+    with the frees the profiler lost put back.
+
+    ``events``: in time order. ``collective_blocks[N]``: the addresses of collective N's buffers.
+    ``gone[N]``: those of them that were freed by the end. A block of collective N is freed at N's wait
+    when it was live at N's issue, the profile shows no free of it, and it is gone by the end. A block
+    whose address is allocated again was freed before that.
+    """
+    freed_unseen = _blocks_freed_unseen(events)
+    live: dict[int, tuple[int, int, bool]] = {}  # address -> (allocation event index, bytes, inside the group)
+    held: dict[int, list[int]] = {}  # collective N -> allocation indices of its buffers, at its issue
+    step, group = [], []
+    for k, e in enumerate(events):
+        if e.kind == "issued":  # the blocks the collective holds until its wait
+            held[e.collective] = [live[a][0] for a in collective_blocks[e.collective] if a in live]
+        elif e.kind == "waited":  # free those gone by the end whose free the profile does not show
+            for a in gone[e.collective]:
+                block = live.get(a)
+                if block and block[0] in freed_unseen and block[0] in held.get(e.collective, ()):
+                    del live[a]
+                    (group if block[2] else step).append(-block[1])
+        elif e.nbytes > 0:
+            if e.address in live:  # the address is taken again: its block was freed, unseen, before
+                _, nbytes, inside = live.pop(e.address)
+                (group if inside else step).append(-nbytes)
+            live[e.address] = (k, e.nbytes, e.inside_group)
+            (group if e.inside_group else step).append(e.nbytes)
+        else:  # a free: of a block of the window, or of one allocated before it
+            inside = live.pop(e.address)[2] if e.address in live else e.inside_group
+            (group if inside else step).append(e.nbytes)
+    return step, group
+
+
+def _blocks_freed_unseen(events) -> set[int]:
+    """Indices of the allocation events whose block is never seen freed: the next event at its address is
     another allocation, or there is none."""
-    last_at: dict[int, int] = {}  # address -> id of the allocation event that holds it
+    last_at: dict[int, int] = {}  # address -> index of the allocation event that holds it
     unseen = set()
-    for n in allocation_events:
-        fields = n.typed[1]
-        if fields.alloc_size > 0:
-            if fields.ptr in last_at:
-                unseen.add(last_at[fields.ptr])
-            last_at[fields.ptr] = id(n)
+    for k, e in enumerate(events):
+        if e.kind != "memory":
+            continue
+        if e.nbytes > 0:
+            if e.address in last_at:
+                unseen.add(last_at[e.address])
+            last_at[e.address] = k
         else:
-            last_at.pop(fields.ptr, None)
+            last_at.pop(e.address, None)
     return unseen | set(last_at.values())
