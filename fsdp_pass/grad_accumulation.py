@@ -12,6 +12,11 @@ after the block adds the accumulators to its own gradients, empties them and red
 3. The backward of the ``"accumulate"`` variant ends each unit with :data:`accumulate_unsharded_grads`; the
    ``"flush"`` variant calls :data:`add_accumulated_grads` right before the reduce-scatter.
 
+A guard against the silent mistake: ``optimizer.step()`` while gradients are still in the accumulators
+(inside the block, or after it but before a synchronized backward) would step on no gradient and fold
+these micro-batches into the next step. A global optimizer step pre-hook raises ``FSDPError`` instead,
+for any optimizer that holds parameters of a model with pending accumulators.
+
 Memory: while accumulating, each rank holds a full unsharded gradient of every trainable parameter (the
 padded parameter count times the reduce dtype's bytes), not 1/N of it. ``explain()`` states the figure.
 The ops run on the ``fsdp_comm`` executor (:mod:`fsdp_pass_executors.accumulation`).
@@ -20,15 +25,20 @@ The ops run on the ``fsdp_comm`` executor (:mod:`fsdp_pass_executors.accumulatio
 from __future__ import annotations
 
 import itertools
+import weakref
 from contextlib import contextmanager
 
 from thunder.core import prims
 from thunder.core.proxies import TensorProxy
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from fsdp_pass.errors import fail
 
 ACCUMULATE, FLUSH, REDUCE = "accumulate", "flush", "reduce"
 
 _syncing: dict[str, bool] = {}  # FSDP key -> False inside no_sync
 _pending: dict[str, dict[str, object]] = {}  # FSDP key -> accumulator key -> running sum (torch.Tensor)
+_parameters: dict[str, dict[int, weakref.ref]] = {}  # FSDP key -> id -> the model's (sharded) parameters
 _keys = itertools.count()
 
 
@@ -60,11 +70,30 @@ def no_sync(jitted):
     from fsdp_pass.transform import fsdp_of
 
     key = fsdp_of(jitted).accumulation_key
+    _parameters[key] = {id(p): weakref.ref(p) for p in jitted.parameters()}
     outer, _syncing[key] = _syncing[key], False
     try:
         yield
     finally:
         _syncing[key] = outer  # nested blocks: the outer one still accumulates
+
+
+def _refuse_a_step_while_accumulating(optimizer, args, kwargs) -> None:
+    for key, params in _parameters.items():
+        if not _pending[key]:
+            continue
+        if any(id(p) in params and params[id(p)]() is p for group in optimizer.param_groups for p in group["params"]):
+            n = len(_pending[key])
+            fail(
+                f"optimizer.step() while {n} unit(s) of this model still hold gradients accumulated under "
+                "no_sync(): the parameters have no gradient yet, and the step would silently skip these "
+                "micro-batches and add them to the next step.",
+                "Run the last micro-batch's forward and backward outside no_sync() (it reduce-scatters the "
+                "accumulated sum), then call optimizer.step().",
+            )
+
+
+register_optimizer_step_pre_hook(_refuse_a_step_while_accumulating)
 
 
 def accumulator_key(fsdp_key: str, unit_name: str) -> str:

@@ -8,6 +8,7 @@ compiled variant, picked by a prologue check.
 import pytest
 import thunder
 import torch
+from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, FSDPError, fake_process_group, no_sync
 from tests import models, rank_cases
@@ -40,3 +41,24 @@ def test_no_sync_needs_the_comm_executor():
 def test_no_sync_on_a_model_without_fsdp():
     with pytest.raises(FSDPError, match="not compiled with fsdp_pass.FSDP"), no_sync(thunder.jit(torch.nn.Linear(2, 2))):
         pass
+
+
+def test_an_optimizer_step_while_gradients_accumulate_is_refused():
+    """Stepping with gradients still in the accumulators would skip them now and add them to the next step."""
+    with fake_process_group(2):
+        jm = thunder.jit(models.build("mlp"), transforms=[FSDP("zero2")], executors=executors_for("cpu"))
+        opt = torch.optim.SGD(jm.parameters(), lr=0.1)
+        unrelated = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        x, y = models.batch("mlp", 2, 0)
+        with no_sync(jm):
+            opt.step()  # nothing accumulated yet
+            models.loss_fn("mlp", jm(x), y).backward()
+            assert all(p.grad is None for p in jm.parameters())
+            with pytest.raises(FSDPError, match="still hold gradients accumulated under no_sync"):
+                opt.step()
+            unrelated.step()  # other parameters: not this model's business
+        with pytest.raises(FSDPError, match="outside no_sync"):
+            opt.step()  # after the block, but before the synchronized backward
+        models.loss_fn("mlp", jm(x), y).backward()  # adds the accumulated sum and reduce-scatters it
+        assert all(p.grad is not None for p in jm.parameters())
+        opt.step()
