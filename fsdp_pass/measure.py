@@ -138,7 +138,7 @@ class _CollectiveBuffers:
     def gone(self) -> list[set[int]]:
         """Collective N -> addresses of its buffers freed by now (a worker thread may lag a moment)."""
         if any(ref() is not None for blocks in self.blocks for _, ref in blocks):
-            time.sleep(0.01)
+            time.sleep(0.05)
         return [{ptr for ptr, ref in blocks if ref() is None} for blocks in self.blocks]
 
 
