@@ -33,7 +33,7 @@ from thunder.core.symbol import Symbol, bsym_header
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
 
-from fsdp_pass.grad_accumulation import accumulate_unsharded_grads, add_accumulated_grads
+from fsdp_pass.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
 from fsdp_pass.layout import ShardLayout
 from fsdp_pass.plan import collective_label
 
@@ -151,7 +151,7 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype
     flat = _flat_grads(grads, layouts, world_size, reduce_dtype)
     if grad_sync is not None:
         mode, key = grad_sync
-        if mode == "accumulate":
+        if mode == ACCUMULATE:
             with bsym_header(f"[fsdp] unit {unit_name!r}: no_sync: add the unsharded gradients to {key!r}"):
                 accumulate_unsharded_grads(flat, key)
             return None

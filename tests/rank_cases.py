@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import thunder
@@ -12,6 +13,7 @@ from fsdp_pass_executors import executors_for
 from fsdp_pass import FSDP, full_state_dict, load_full_state_dict
 from fsdp_pass.layout import ShardLayout
 from fsdp_pass.state_dict import gather_full
+from fsdp_pass.transform import fsdp_of
 from tests import models
 
 
@@ -24,6 +26,15 @@ def _norm_rel(ours, theirs) -> float:
     diff = sum(float((a - b).double().pow(2).sum()) for a, b in zip(ours, theirs))
     ref = sum(float(b.double().pow(2).sum()) for b in theirs)
     return (diff / max(ref, 1e-30)) ** 0.5
+
+
+def _reference_and_fsdp_model(model_name: str, strategy: str, **fsdp_kwargs):
+    """(the single-process reference, its FSDP-jitted copy, the FSDP transform)."""
+    reference = models.build(model_name)
+    jm = thunder.jit(
+        copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu")
+    )
+    return reference, jm, fsdp_of(jm)
 
 
 def _local(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -84,11 +95,7 @@ def parity(
     ``compute_dtype``, ``reduce_dtype``: the reference computes like ``MixedPrecision(compute_dtype,
     reduce_dtype)`` (pass the matching ``mixed_precision=`` in ``fsdp_kwargs``)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    reference = models.build(model_name)
-    jm = thunder.jit(
-        copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu")
-    )
-    fsdp = next(t for t in jm._lc_transforms if isinstance(t, FSDP))
+    reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, **fsdp_kwargs)
     opt = torch.optim.AdamW(jm.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
     ref_params = dict(reference.named_parameters())
@@ -252,11 +259,7 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
     from fsdp_pass.measure import CollectiveBytes
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    reference = models.build(model_name)
-    jm = thunder.jit(
-        copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu")
-    )
-    fsdp = next(t for t in jm._lc_transforms if isinstance(t, FSDP))
+    reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, **fsdp_kwargs)
     opt = torch.optim.SGD(jm.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
     ref_params = dict(reference.named_parameters())
@@ -272,14 +275,9 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
         for k in range(micro_batches):
             rows = slice((k * world_size + rank) * per_micro, (k * world_size + rank + 1) * per_micro)
             last = k == micro_batches - 1
-            with CollectiveBytes() as sent:
-                if last:
-                    loss = models.loss_fn(model_name, jm(x[rows]), y[rows]) / micro_batches
-                    loss.backward()
-                else:
-                    with no_sync(jm):
-                        loss = models.loss_fn(model_name, jm(x[rows]), y[rows]) / micro_batches
-                        loss.backward()
+            with CollectiveBytes() as sent, contextlib.nullcontext() if last else no_sync(jm):
+                loss = models.loss_fn(model_name, jm(x[rows]), y[rows]) / micro_batches
+                loss.backward()
             reduce_scatters.append(sum(1 for kind, _ in sent.calls if kind == "reduce_scatter"))
             if k == micro_batches - 2:
                 accumulated_bytes.append(pending_bytes(fsdp.accumulation_key))
