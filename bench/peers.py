@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench.model import loss_fn
-from fsdp_pass.mixed_precision import MixedPrecision
+from fsdp_pass.plan.mixed_precision import MixedPrecision
 
 LR = 1e-3
 
@@ -213,10 +213,10 @@ def ours_builder(
 
 
 def trace_stats(trainer: Trainer) -> dict:
-    """Peak gathered-parameter memory read off the final traces (``fsdp_pass.trace_stats``)."""
+    """Peak gathered-parameter memory read off the final traces (``fsdp_pass.report.step_stats``)."""
     import thunder
 
-    from fsdp_pass.trace_stats import step_stats
+    from fsdp_pass.report.step_stats import step_stats
 
     fwd = thunder.last_traces(trainer.module)[-1]
     bwd = thunder.last_backward_traces(trainer.module)[-1]

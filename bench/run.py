@@ -39,7 +39,7 @@ Columns:
   loss           mean over ranks of the loss at the last timed step (the same data and init for
                  every system, so sharded systems should agree with each other and with ddp)
   peak unsharded MB  gathered parameters alive at once at most, read off the final traces (Thunder rows)
-  step peak MB   rank 0, measured (``fsdp_pass.measure``): bytes a whole training step (forward,
+  step peak MB   rank 0, measured (``fsdp_pass.report.measure``): bytes a whole training step (forward,
                  backward, optimizer) allocates above what lives before it; the process group's own
                  scratch copies are not counted
 """
@@ -67,8 +67,8 @@ from fsdp_pass_executors import WAIT_CLOCK
 from bench.collectives import CommsProfiler
 from bench.model import Config, build_model, make_batch, param_count
 from bench.peers import EXTRA_COLUMNS, all_systems, select
-from fsdp_pass.local_gloo import free_port
-from fsdp_pass.measure import allocated_during
+from fsdp_pass.groups import free_port
+from fsdp_pass.report.measure import allocated_during
 
 BYTES_PER_PARAM = 4  # fp32
 

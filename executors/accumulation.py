@@ -1,4 +1,4 @@
-"""The ``fsdp_comm`` executor's implementations of the gradient-accumulation ops of :mod:`fsdp_pass.grad_accumulation`.
+"""The ``fsdp_comm`` executor's implementations of the gradient-accumulation ops of :mod:`fsdp_pass.ops.grad_accumulation`.
 
 In a printed execution trace they read ``fsdp_accumulate_unsharded_grads(flat, key)`` (add to the
 accumulator, no output) and ``fsdp_add_accumulated_grads(flat, key)`` (the accumulator plus ``flat``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 from fsdp_pass_executors.collectives import comm_ex
 from thunder.core import prims
 
-from fsdp_pass import grad_accumulation as ga
+from fsdp_pass.ops import grad_accumulation as ga
 
 accumulate_op = comm_ex.register_operator(
     "fsdp_accumulate_unsharded_grads",

@@ -1,16 +1,17 @@
 """fsdp_pass: Fully Sharded Data Parallel (ZeRO-2 / ZeRO-3) as a trace pass for Lightning Thunder."""
 
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.explain import Explanation, explain
-from fsdp_pass.fake_group import fake_process_group
-from fsdp_pass.grad_accumulation import no_sync
-from fsdp_pass.layout import ShardLayout
-from fsdp_pass.mixed_precision import MixedPrecision
-from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
-from fsdp_pass.schedule import Schedule
-from fsdp_pass.state_dict import full_state_dict, load_full_state_dict
+from fsdp_pass.report.explain import Explanation, explain
+from fsdp_pass.groups import fake_process_group
+from fsdp_pass.ops.grad_accumulation import no_sync
+from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.plan.sharding import ShardingPlan, Strategy
+from fsdp_pass.plan.units import Unit, UnitPlan
+from fsdp_pass.plan.schedule import Schedule
+from fsdp_pass.shard.state_dict import full_state_dict, load_full_state_dict
 from fsdp_pass.transform import FSDP
-from fsdp_pass.unit_policies import Blocks, BySize, Groups, PerParameter
+from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 
 __all__ = [
     "FSDP",

@@ -1,4 +1,4 @@
-"""``python -m fsdp_pass explain``: a dry run at any world size on one CPU (see :mod:`fsdp_pass.dry_run`).
+"""``python -m fsdp_pass explain``: a dry run at any world size on one CPU (see :mod:`fsdp_pass.report.dry_run`).
 
     python -m fsdp_pass explain --world-size 64 --strategy zero3 --model llama2-7b --out dry_run/
 
@@ -15,10 +15,10 @@ import torch
 
 from fsdp_pass import zoo
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.explain import OPTIMIZER_STATES
-from fsdp_pass.mixed_precision import MixedPrecision
-from fsdp_pass.schedule import Schedule
-from fsdp_pass.unit_policies import BySize
+from fsdp_pass.report.explain import OPTIMIZER_STATES
+from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.plan.schedule import Schedule
+from fsdp_pass.plan.unit_policies import BySize
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +56,7 @@ def _units(spec: str):
 
 
 def explain_command(ns) -> int:
-    from fsdp_pass.dry_run import dry_run
+    from fsdp_pass.report.dry_run import dry_run
 
     overrides = {"n_layer": ns.layers, "seq": ns.seq, "local_batch": ns.batch} if ":" not in ns.model else {}
     module, args = zoo.build(ns.model, "meta", **overrides)

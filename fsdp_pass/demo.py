@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from fsdp_pass_executors import WAIT_CLOCK, describe, executors_for
 
 from fsdp_pass import FSDP, Schedule, full_state_dict
-from fsdp_pass.measure import CollectiveBytes, allocated_during
-from fsdp_pass.plan import human_bytes
+from fsdp_pass.report.measure import CollectiveBytes, allocated_during
+from fsdp_pass.text import human_bytes
 from fsdp_pass.transform import fsdp_of
 from fsdp_pass.zoo import WithLoss
 

@@ -14,14 +14,15 @@ import thunder
 import torch.distributed as dist
 
 from fsdp_pass.errors import check
-from fsdp_pass.layout import ShardLayout
-from fsdp_pass.module_tree import ModuleTree
+from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.passes.insert_unshards import insert_unshards
-from fsdp_pass.passes.parameter_args import parameter_names_of_args
+from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
-from fsdp_pass.plan import ParamSpec, ShardingPlan, UnitPlan, parse_strategy
-from fsdp_pass.schedule import DEFAULT_SCHEDULE, Schedule
-from fsdp_pass.units import plan_units
+from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
+from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
+from fsdp_pass.plan.plan_units import plan_units
 
 
 def functional_trace(model, *args, **kwargs):

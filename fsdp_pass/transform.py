@@ -2,16 +2,16 @@
 
 Thunder calls, in order:
   1. ``transform_module`` once, when ``thunder.jit`` is given the transform: shard the parameters
-     (:func:`~fsdp_pass.module_sharding.shard_module`), producing the :class:`ShardingPlan`;
+     (:func:`~fsdp_pass.shard.module.shard_module`), producing the :class:`ShardingPlan`;
   2. ``transform_traces_pre_prologue`` at each compile, on the functional forward trace: plan the
-     units (:func:`~fsdp_pass.units.plan_units`), insert the gathers
+     units (:func:`~fsdp_pass.plan.plan_units.plan_units`), insert the gathers
      (:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`) and fix the prologue's checks
-     (:func:`~fsdp_pass.passes.shard_prologue.shard_prologue`). Thunder then derives the backward
+     (:func:`~fsdp_pass.shard.prologue.shard_prologue`). Thunder then derives the backward
      from ``unshard_unit``'s gradient rule (the reduce-scatters) and lowers both traces;
   3. ``transform_trace_post_optimization`` on the final forward and backward traces: place the
      collectives for overlap (:func:`~fsdp_pass.passes.schedule_collectives.schedule_collectives`),
      check that all ranks issue the same collectives (:mod:`fsdp_pass.verify`) and label each
-     collective with its unit (:func:`~fsdp_pass.passes.annotate.annotate_collectives`).
+     collective with its unit (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
 """
 
 from __future__ import annotations
@@ -19,26 +19,28 @@ from __future__ import annotations
 from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
 
-from fsdp_pass import grad_accumulation
+from fsdp_pass.ops import grad_accumulation
 from fsdp_pass.errors import check, fail
-from fsdp_pass.layout import shard_tensor
-from fsdp_pass.mixed_precision import resolve_mixed_precision
-from fsdp_pass.module_sharding import check_not_sharded_yet, check_process_group, place_shard, shard_module
-from fsdp_pass.module_tree import ModuleTree
-from fsdp_pass.overlap import OverlapReport, overlap_report
-from fsdp_pass.passes.annotate import annotate_collectives, units_of_collectives
+from fsdp_pass.plan.layout import shard_tensor
+from fsdp_pass.plan.mixed_precision import resolve_mixed_precision
+from fsdp_pass.shard.module import check_not_sharded_yet, check_process_group, place_shard, shard_module
+from fsdp_pass.plan.module_tree import ModuleTree
+from fsdp_pass.report.overlap import OverlapReport, overlap_report
+from fsdp_pass.passes.label_collectives import annotate_collectives
+from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
 from fsdp_pass.passes.insert_unshards import insert_unshards
-from fsdp_pass.passes.parameter_args import parameter_names_of_args
+from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
-from fsdp_pass.passes.shard_prologue import shard_prologue
-from fsdp_pass.plan import Strategy, parse_strategy
-from fsdp_pass.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
-from fsdp_pass.state_dict import gather_full
-from fsdp_pass.unit_policies import resolve_policy
-from fsdp_pass.units import plan_units
-from fsdp_pass.verify import check_collective_lifetimes, check_same_collectives_on_all_ranks
+from fsdp_pass.shard.prologue import shard_prologue
+from fsdp_pass.plan.sharding import Strategy, parse_strategy
+from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
+from fsdp_pass.shard.state_dict import gather_full
+from fsdp_pass.plan.unit_policies import resolve_policy
+from fsdp_pass.plan.plan_units import plan_units
+from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
+from fsdp_pass.verify.same_collectives_on_all_ranks import check_same_collectives_on_all_ranks
 
 
 def _checkpoint_predicate(spec):
@@ -62,19 +64,19 @@ class FSDP(Transform):
         device: where shards live; default: the model's device, else ``cuda:LOCAL_RANK``.
         broadcast_from: a rank whose initial parameters and buffers every rank takes; None keeps
             each rank's own (then ranks must have initialized identically, e.g. the same seed).
-        units: the unit policy (see :mod:`fsdp_pass.unit_policies`): ``"blocks"`` (one unit per
+        units: the unit policy (see :mod:`fsdp_pass.plan.unit_policies`): ``"blocks"`` (one unit per
             repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
             list of modules / classes / names (explicit units), or ``BySize(max_bytes)``.
         reshard_after_forward: None (ZeRO-3: every unit but the last one gathered; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.
-        schedule: when collectives are issued and waited (:class:`~fsdp_pass.schedule.Schedule`):
+        schedule: when collectives are issued and waited (:class:`~fsdp_pass.plan.schedule.Schedule`):
             the default prefetches one unit ahead; an int is the prefetch depth; None keeps the
             order Thunder's lowering produced.
         checkpoint_activations: recompute units' activations in the backward instead of saving them
             (activation checkpointing, :mod:`~fsdp_pass.passes.checkpoint_units`): False, True (every
             unit), or a function ``Unit -> bool``. The recomputation reads the gather the backward
             does anyway: no extra collective.
-        mixed_precision: None (no casts), a :class:`~fsdp_pass.mixed_precision.MixedPrecision`, or a
+        mixed_precision: None (no casts), a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, or a
             dtype (gather and compute in it, reduce in float32). The shards stay in their dtype: the
             optimizer steps on them as master weights.
         offload_to: None, or the device the shards, their gradients (and so the optimizer state) live
@@ -197,8 +199,8 @@ class FSDP(Transform):
         )
 
     def explain(self, optimizer="adam"):
-        """The per-unit table and per-rank totals of the latest compile (:func:`fsdp_pass.explain.explain`)."""
-        from fsdp_pass.explain import explain
+        """The per-unit table and per-rank totals of the latest compile (:func:`fsdp_pass.report.explain.explain`)."""
+        from fsdp_pass.report.explain import explain
 
         return explain(self, optimizer=optimizer)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from fsdp_pass.dry_run import DryRun, dry_run
+from fsdp_pass.report.dry_run import DryRun, dry_run
 from tests import explain_cases
 
 

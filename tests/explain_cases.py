@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass import FSDP, explain, zoo
-from fsdp_pass.measure import CollectiveBytes, allocated_during
+from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass_executors import executors_for
 
 # small enough for a few seconds per step on 2 CPU ranks, big enough that every unit's bytes show

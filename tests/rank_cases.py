@@ -11,8 +11,8 @@ import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, full_state_dict, load_full_state_dict
-from fsdp_pass.layout import ShardLayout
-from fsdp_pass.state_dict import gather_full
+from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.shard.state_dict import gather_full
 from fsdp_pass.transform import fsdp_of
 from tests import models
 
@@ -255,8 +255,8 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
     the accumulators held.
     """
     from fsdp_pass import explain, no_sync
-    from fsdp_pass.grad_accumulation import pending_bytes
-    from fsdp_pass.measure import CollectiveBytes
+    from fsdp_pass.ops.grad_accumulation import pending_bytes
+    from fsdp_pass.report.measure import CollectiveBytes
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, **fsdp_kwargs)

@@ -7,9 +7,9 @@ single-process reference.
 import pytest
 
 from fsdp_pass import FSDPError, explain
-from fsdp_pass.dry_run import dry_run
+from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.predicates import is_all_gather
-from fsdp_pass.trace_stats import step_stats
+from fsdp_pass.report.step_stats import step_stats
 from tests import explain_cases, rank_cases
 from tests.dry_runs import model_dry_run
 from tests.test_parity import _check

@@ -1,4 +1,4 @@
-"""Tier 1: the measurement's replay of a profile (``fsdp_pass.measure.replay``) on hand-made events.
+"""Tier 1: the measurement's replay of a profile (``fsdp_pass.report.measure.replay``) on hand-made events.
 
 gloo's worker thread sometimes frees a collective's buffer outside the profiler's view: the profile
 then shows the allocation and no free. The replay puts that free at the collective's wait, but only
@@ -6,7 +6,7 @@ for a buffer that is gone by the end (a reduce-scatter's output that became a gr
 only once.
 """
 
-from fsdp_pass.measure import MemoryEvent, _peak, replay
+from fsdp_pass.report.measure import MemoryEvent, _peak, replay
 
 
 def alloc(address, nbytes, inside=False):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fsdp_pass import FSDPError, MixedPrecision
-from fsdp_pass.dry_run import dry_run
+from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.predicates import is_all_gather, is_conversion, is_division, is_reduce_scatter, is_wait
-from fsdp_pass.trace_stats import step_stats
+from fsdp_pass.report.step_stats import step_stats
 from tests import explain_cases, models, rank_cases
 from tests.dry_runs import model_dry_run
 

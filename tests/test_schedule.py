@@ -19,7 +19,7 @@ from thunder.core.trace import from_trace
 from thunder.extend import get_executor
 
 from fsdp_pass import FSDP, FSDPError, Schedule
-from fsdp_pass.overlap import is_compute
+from fsdp_pass.report.overlap import is_compute
 from fsdp_pass.predicates import (
     is_all_gather,
     is_collective,
@@ -28,8 +28,9 @@ from fsdp_pass.predicates import (
     is_view_like,
     is_wait,
 )
-from fsdp_pass.trace_stats import step_stats
-from fsdp_pass.verify import check_collective_lifetimes, collective_sequence
+from fsdp_pass.report.step_stats import step_stats
+from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
+from fsdp_pass.verify.same_collectives_on_all_ranks import collective_sequence
 from tests.llama_steps import LAYERS, WORLD, compile_step, shared_step
 
 

@@ -1,4 +1,4 @@
-"""The step timeline (:mod:`fsdp_pass.timeline`) and the completion times it reads off ``fsdp_comm``.
+"""The step timeline (:mod:`fsdp_pass.report.timeline`) and the completion times it reads off ``fsdp_comm``.
 
 Tier 1 (one process): the executor stamps a collective's completion from its work's future without
 changing how long its buffers live; running/blocked segments, row packing, tables and the drawing of a
@@ -17,9 +17,10 @@ import pytest
 import torch
 from fsdp_pass_executors import collectives as comm
 
-from fsdp_pass import Schedule, timeline
-from fsdp_pass.overlap import OverlapReport
-from fsdp_pass.timeline import StepTimeline, TimedCollective
+from fsdp_pass import Schedule
+from fsdp_pass.report import timeline
+from fsdp_pass.report.overlap import OverlapReport
+from fsdp_pass.report.timeline import StepTimeline, TimedCollective
 
 NAN = float("nan")
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
-from fsdp_pass.trace_stats import floor_bytes, step_stats
+from fsdp_pass.report.step_stats import floor_bytes, step_stats
 from tests import llama_steps, models
 from tests.llama_steps import LAYERS, WORLD, llama
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters

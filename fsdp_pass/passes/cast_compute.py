@@ -22,7 +22,7 @@ from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.trace import TraceProvenance, from_trace, tracectx
 
-from fsdp_pass.mixed_precision import MixedPrecision, thunder_dtype
+from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.predicates import is_return, is_unpack_trivial, is_unshard_unit
 
 

@@ -10,9 +10,9 @@
 4. Units that reshard after forward (ZeRO-3) are tagged ``RECOMPUTE_IN_BACKWARD``: Thunder's
    autodiff then gathers them again in the backward instead of saving them.
 
-Options carried by each ``unshard_unit`` (see :mod:`fsdp_pass.unshard`): the gather and reduce dtypes
-of a :class:`~fsdp_pass.mixed_precision.MixedPrecision`, the compute device when the shards are
-offloaded, and the gradient-sync mode ``(mode, fsdp_key)`` of :mod:`fsdp_pass.grad_accumulation`.
+Options carried by each ``unshard_unit`` (see :mod:`fsdp_pass.ops.unshard`): the gather and reduce dtypes
+of a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, the compute device when the shards are
+offloaded, and the gradient-sync mode ``(mode, fsdp_key)`` of :mod:`fsdp_pass.ops.grad_accumulation`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from thunder.core.proxies import variableify
 from thunder.core.symbol import BoundSymbolTag
 from thunder.core.trace import TraceProvenance, from_trace, tracectx
 
-from fsdp_pass.grad_accumulation import REDUCE, accumulator_key
-from fsdp_pass.mixed_precision import FULL_PRECISION, MixedPrecision, thunder_dtype
+from fsdp_pass.ops.grad_accumulation import REDUCE, accumulator_key
+from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, thunder_dtype
 from fsdp_pass.passes.proxies import with_shape
-from fsdp_pass.plan import UnitPlan
+from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import is_return, is_unpack_trivial
-from fsdp_pass.unshard import unshard_unit
+from fsdp_pass.ops.unshard import unshard_unit
 
 
 def sharded_arg_proxies(trace, plan: UnitPlan, arg_params: dict[str, str]) -> dict:

@@ -37,9 +37,9 @@ from thunder.core.trace import TraceProvenance, from_trace
 from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
-from fsdp_pass.collective_groups import graph, packing_group, unpacking_group
+from fsdp_pass.passes.collective_groups import graph, packing_group, unpacking_group
 from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_packing, is_return, is_wait
-from fsdp_pass.schedule import Schedule
+from fsdp_pass.plan.schedule import Schedule
 
 _EARLIEST = -math.inf
 

@@ -8,13 +8,13 @@
    that runs in between (estimated MFLOP; ``EXPOSED`` when none);
 2. per rank and step: bytes sent against the floor no ZeRO scheme can go below;
 3. per rank: predicted peak memory = sharded parameters + optimizer state + the step's peak (from the
-   traces, :mod:`fsdp_pass.memory`), with the peak split into gathered parameters, tensors saved for
+   traces, :mod:`fsdp_pass.report.memory`), with the peak split into gathered parameters, tensors saved for
    the backward and everything else (activations, gradients, temporaries). With ``offload_to`` the
    shards, their gradients and the optimizer state are counted on the host, not the device; the
    accumulators :func:`fsdp_pass.no_sync` fills are listed apart;
 4. the options in force: mixed precision, offload, gradient accumulation, checkpointed units.
 
-``explain(plan)`` on a :class:`~fsdp_pass.plan.UnitPlan` alone prints the sizes and the floors: the
+``explain(plan)`` on a :class:`~fsdp_pass.plan.units.UnitPlan` alone prints the sizes and the floors: the
 schedule and the step's memory need the traces.
 """
 
@@ -23,11 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_pass.errors import check, fail
-from fsdp_pass.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
-from fsdp_pass.mixed_precision import FULL_PRECISION, MixedPrecision
-from fsdp_pass.overlap import CollectiveOverlap, overlap_report
-from fsdp_pass.plan import Strategy, UnitPlan, format_table, human_bytes
-from fsdp_pass.trace_stats import StepStats, floor_bytes, step_stats
+from fsdp_pass.report.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
+from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision
+from fsdp_pass.report.overlap import CollectiveOverlap, overlap_report
+from fsdp_pass.plan.sharding import Strategy
+from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.text import format_table, human_bytes
+from fsdp_pass.report.step_stats import StepStats, floor_bytes, step_stats
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 
@@ -304,7 +306,7 @@ def explain_traces(
 
 def explain(target, *, optimizer="adam") -> Explanation:
     """Explain a model jitted with :class:`~fsdp_pass.FSDP` (after its first step), an ``FSDP``
-    transform, or a :class:`~fsdp_pass.plan.UnitPlan`.
+    transform, or a :class:`~fsdp_pass.plan.units.UnitPlan`.
 
     ``optimizer``: for the optimizer-state estimate, ``"adam"`` (2 parameter-sized states per
     trainable element), ``"sgd_momentum"`` (1), ``"sgd"`` (0), or a number of states.

@@ -1,18 +1,14 @@
 """Pass: label every collective in a final (executable) trace with its FSDP unit and bytes.
 
-``annotate_collectives(trace, plan, units_of_collectives(trace, plan, param_of_arg, arg_order)) -> trace``
+``annotate_collectives(trace, plan, found) -> trace``, ``found`` from
+:func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives`.
 
-Thunder's lowering replaces our ops with executor calls and drops their comments, so the labels
-are put back on the final forward and backward traces:
-
-1. an all-gather's unit: walk its input back through producers to the parameter shards it packs;
-2. a reduce-scatter's unit: walk its result forward through consumers to the gradients the trace
-   returns (position ``i`` of the backward's return is the gradient of forward argument ``i``);
-3. each collective and its wait get a header line: unit, kind, parameters, bytes per rank (in the
-   dtype the collective moves); the op that packs the unit's flat send buffer, its casts and device
-   copies (mixed precision, offload), each op that cuts a parameter out of a gathered buffer, the
-   division of a reduce-scatter's result by the world size (of its input, in float16) and the casts
-   and copies of that result get a shorter one naming the unit (and parameter).
+Thunder's lowering replaces our ops with executor calls and drops their comments, so the labels are put
+back on the final forward and backward traces. Each collective and its wait get a header line: unit,
+kind, parameters, bytes per rank (in the dtype the collective moves). The op that packs the unit's flat
+send buffer, its casts and device copies (mixed precision, offload), each op that cuts a parameter out of
+a gathered buffer, the division of a reduce-scatter's result by the world size (of its input, in
+float16) and the casts and copies of that result get a shorter one naming the unit (and parameter).
 """
 
 from __future__ import annotations
@@ -21,7 +17,8 @@ from thunder.core import utils
 from thunder.core.proxies import Proxy
 from thunder.core.trace import TraceProvenance, from_trace
 
-from fsdp_pass.plan import UnitPlan, collective_label
+from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.text import collective_label
 from fsdp_pass.predicates import (
     is_all_gather,
     is_conversion,
@@ -30,79 +27,15 @@ from fsdp_pass.predicates import (
     is_packing,
     is_reduce_scatter,
     is_reshape,
-    is_return,
     is_view_like,
     is_wait,
 )
-
-
-def _roots(proxy, producers, stop: set[str]) -> set[str]:
-    """Names of the inputs ``proxy`` is computed from (walking back no further than names in ``stop``)."""
-    seen, stack, roots = set(), [proxy], set()
-    while stack:
-        p = stack.pop()
-        if p.name in seen:
-            continue
-        seen.add(p.name)
-        if p.name in stop:  # a shard: a forward argument, or a saved tensor unpacked in the backward
-            roots.add(p.name)
-            continue
-        bsym = producers.get(p, None)
-        args = list(bsym.flat_proxy_args) if bsym is not None else []
-        if not args:
-            roots.add(p.name)
-        stack.extend(args)
-    return roots
-
-
-def _returned_positions(proxy, consumers, return_values) -> set[int]:
-    """Positions of the returned values that ``proxy`` flows into."""
-    position = {}
-    for i, v in enumerate(return_values):
-        if isinstance(v, Proxy):
-            position.setdefault(v.name, set()).add(i)
-    seen, stack, hits = set(), [proxy], set()
-    while stack:
-        p = stack.pop()
-        if p.name in seen:
-            continue
-        seen.add(p.name)
-        hits |= position.get(p.name, set())
-        for bsym in consumers.get(p, []):
-            if not is_return(bsym):
-                stack.extend(bsym.flat_proxy_outs)
-    return hits
 
 
 def _label(plan: UnitPlan, unit, kind: str, itemsize: int) -> str:
     _, shard_numel, padding = plan.unit_numel(unit)
     shard_bytes = shard_numel * itemsize
     return collective_label(unit.name, kind, len(unit.params), shard_bytes, plan.sharding.world_size, padding)
-
-
-def units_of_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], arg_order: list[str]) -> dict:
-    """Output name of each collective in ``trace`` -> (its :class:`Unit`, kind), for the ones found."""
-    unit_of_param = {p: u for u in plan.units for p in u.params}
-    shards = set(param_of_arg)
-    producers, consumers = utils.producers(trace), utils.consumers(trace)
-    (ret,) = [b for b in trace.bound_symbols if is_return(b)]
-    returned = ret.args[0] if isinstance(ret.args[0], (tuple, list)) else ()
-
-    found = {}
-    for bsym in trace.bound_symbols:
-        units = []
-        if is_all_gather(bsym):
-            params = [param_of_arg[n] for n in _roots(bsym.flat_proxy_args[0], producers, shards) if n in shards]
-            units = [unit_of_param[p] for p in params if p in unit_of_param]
-            kind = "all-gather"
-        elif is_reduce_scatter(bsym):
-            hits = _returned_positions(bsym.output, consumers, returned)
-            params = [param_of_arg.get(arg_order[i]) for i in hits if i < len(arg_order)]
-            units = [unit_of_param[p] for p in params if p in unit_of_param]
-            kind = "reduce-scatter grads"
-        if units:
-            found[bsym.output.name] = (units[0], kind)
-    return found
 
 
 def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
@@ -197,7 +130,7 @@ def _unpacking_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
 
 
 def annotate_collectives(trace, plan: UnitPlan, found: dict):
-    """``found``: what :func:`units_of_collectives` returns for ``trace``."""
+    """``found``: what :func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives` returns for ``trace``."""
     headers = {
         b.output.name: _label(plan, *found[b.output.name], b.flat_proxy_args[0].dtype.bytes)
         for b in trace.bound_symbols

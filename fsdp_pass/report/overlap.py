@@ -12,7 +12,7 @@ For every all-gather, reduce-scatter and all-reduce:
    another collective's result apart (cutting parameters out of a gathered buffer, dividing a reduced
    gradient shard by the world size) do not count as compute here.
 
-``units`` (collective output name -> unit name, as :func:`~fsdp_pass.passes.annotate.units_of_collectives`
+``units`` (collective output name -> unit name, as :func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives`
 gives) names the unit of each row; without it, rows are named by kind and position only, so the report
 also reads traces this pass did not make (Thunder's own FSDP).
 """
@@ -23,8 +23,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from fsdp_pass.collective_groups import graph, unpacking_group
-from fsdp_pass.plan import format_table, human_bytes
+from fsdp_pass.passes.collective_groups import graph, unpacking_group
+from fsdp_pass.text import format_table, human_bytes
 from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_reduce_scatter, is_view_like, is_wait
 
 

@@ -39,11 +39,11 @@ import torch.multiprocessing as mp
 from fsdp_pass_executors import WAIT_CLOCK, executors_for
 
 from fsdp_pass.demo import TinyLM, counting_batch
-from fsdp_pass.local_gloo import free_port, init_local_gloo
-from fsdp_pass.overlap import OverlapReport
-from fsdp_pass.plan import format_table
+from fsdp_pass.groups import free_port, init_local_gloo
+from fsdp_pass.report.overlap import OverlapReport
+from fsdp_pass.text import format_table
 from fsdp_pass.predicates import collectives, is_all_gather, is_reduce_scatter
-from fsdp_pass.schedule import Schedule
+from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.transform import FSDP
 from fsdp_pass.zoo import lm_loss
 

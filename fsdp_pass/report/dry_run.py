@@ -7,7 +7,7 @@ without allocating the model.
 2. A fake process group of ``world_size`` stands in for the ranks (nothing is communicated).
 3. ``thunder.jit(module, transforms=[FSDP(..., device="meta")])`` compiles the step as rank 0 would,
    without running it: the same units, collectives, schedule and labels as a real run.
-4. :func:`fsdp_pass.explain.explain` reads the final traces: per-unit schedule, bytes, predicted memory.
+4. :func:`fsdp_pass.report.explain.explain` reads the final traces: per-unit schedule, bytes, predicted memory.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import thunder
 import torch
 
 from fsdp_pass.errors import check
-from fsdp_pass.explain import Explanation
-from fsdp_pass.fake_group import fake_process_group
+from fsdp_pass.report.explain import Explanation
+from fsdp_pass.groups import fake_process_group
 from fsdp_pass.transform import FSDP
 
 

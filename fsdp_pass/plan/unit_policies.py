@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from fsdp_pass.errors import check, fail
-from fsdp_pass.module_tree import ModuleTree
+from fsdp_pass.plan.module_tree import ModuleTree
 
 Group = tuple[str, tuple[str, ...]]  # (unit name, parameter names)
 

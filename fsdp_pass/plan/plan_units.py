@@ -1,7 +1,7 @@
 """Plan the units of one forward trace: ``plan_units(trace, ...) -> UnitPlan``, before any rewriting.
 
 1. Find where the trace first and last reads each parameter.
-2. Ask the unit policy (:mod:`fsdp_pass.unit_policies`) for groups of parameter names.
+2. Ask the unit policy (:mod:`fsdp_pass.plan.unit_policies`) for groups of parameter names.
 3. Split a group that mixes dtypes into one unit per dtype (one flat buffer needs one dtype).
 4. Decide per unit whether it reshards after forward: ZeRO-2 never; ZeRO-3 every unit except the
    last one the forward gathers (the backward starts with it, so freeing it would only mean
@@ -14,10 +14,11 @@ from __future__ import annotations
 from typing import Callable
 
 from fsdp_pass.errors import check
-from fsdp_pass.module_tree import ModuleTree
-from fsdp_pass.passes.parameter_args import first_and_last_use
-from fsdp_pass.plan import ShardingPlan, Strategy, Unit, UnitPlan
-from fsdp_pass.unit_policies import PolicyInput, resolve_policy
+from fsdp_pass.plan.module_tree import ModuleTree
+from fsdp_pass.plan.trace_arguments import first_and_last_use
+from fsdp_pass.plan.sharding import ShardingPlan, Strategy
+from fsdp_pass.plan.units import Unit, UnitPlan
+from fsdp_pass.plan.unit_policies import PolicyInput, resolve_policy
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 

@@ -33,9 +33,9 @@ from thunder.core.symbol import Symbol, bsym_header
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
 
-from fsdp_pass.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
-from fsdp_pass.layout import ShardLayout
-from fsdp_pass.plan import collective_label
+from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
+from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.text import collective_label
 
 
 def _layouts(full_shapes, world_size):

@@ -6,7 +6,7 @@ that uses Thunder's distributed prims (this pass's traces, and Thunder's own FSD
 1. every all-gather, reduce-scatter and all-reduce, with the size of its full (unsharded) buffer;
 2. bytes each rank sends per step, in the ring model: an all-gather or reduce-scatter of a full buffer of
    S bytes costs (N-1)/N * S per rank, an all-reduce twice that;
-3. peak gathered-parameter bytes (:func:`fsdp_pass.memory.live_over_step`): a gathered buffer is live
+3. peak gathered-parameter bytes (:func:`fsdp_pass.report.memory.live_over_step`): a gathered buffer is live
    from its all-gather's issue to the last use of anything cut out of it (views, reshapes, slices).
    What the forward saves for the backward stays live until the backward's last use of it.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.memory import live_over_step, tensor_bytes
+from fsdp_pass.report.memory import live_over_step, tensor_bytes
 from fsdp_pass.predicates import is_all_gather, is_all_reduce, is_reduce_scatter
 
 

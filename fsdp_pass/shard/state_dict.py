@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass.errors import check
-from fsdp_pass.layout import ShardLayout, shard_tensor, unpad_gathered
+from fsdp_pass.plan.layout import ShardLayout, shard_tensor, unpad_gathered
 
 
 def gather_full(shard: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor:

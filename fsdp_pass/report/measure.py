@@ -1,4 +1,4 @@
-"""Measure what a real step allocates and communicates, to hold :func:`fsdp_pass.explain`'s predictions against.
+"""Measure what a real step allocates and communicates, to hold :func:`fsdp_pass.report.explain`'s predictions against.
 
 ``CollectiveBytes()``: a context that records the full buffer of every all-gather and reduce-scatter
 handed to ``torch.distributed`` while it is open, and the bytes each rank sends for them (ring model).

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass.errors import check, fail
-from fsdp_pass.layout import ShardLayout, shard_tensor
-from fsdp_pass.plan import ParamSpec, ShardingPlan, Strategy
+from fsdp_pass.plan.layout import ShardLayout, shard_tensor
+from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, Strategy
 
 
 def resolve_device(module: torch.nn.Module, device) -> torch.device:

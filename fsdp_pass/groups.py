@@ -1,0 +1,57 @@
+"""Process groups made on one machine: a fake group of any world size in one process, and gloo groups
+over ranks spawned here.
+
+``fake_process_group(world_size)`` uses torch's ``fake`` backend: collectives return immediately without
+moving data, so traces can be built, printed and counted at world size 64 on a laptop. Nothing computed
+under it is a real result.
+
+``free_port()`` and ``init_local_gloo(rank, world_size, port, timeout_s)`` join ranks spawned on this
+machine into one gloo group (the timeline, the test pool, the benchmark and the notebooks use them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from fsdp_pass.errors import check
+
+
+@contextmanager
+def fake_process_group(world_size: int, rank: int = 0):
+    """Initialize the default process group with the fake backend for the duration of the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # 2 s to import: only when used
+
+    check(
+        not dist.is_initialized(),
+        "A default process group is already initialized.",
+        "Use fake_process_group only in a process that has no real process group "
+        "(call torch.distributed.destroy_process_group() first).",
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_gloo(rank: int, world_size: int, port: int, timeout_s: float) -> None:
+    """Join the default gloo process group of ``world_size`` local ranks meeting at ``port``; a collective
+    that waits longer than ``timeout_s`` for a peer fails instead of hanging."""
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

@@ -1,0 +1,11 @@
+"""Stage 1, plan: decide before rewriting anything. Frozen records, printable, built without a process group.
+
+- :mod:`~fsdp_pass.plan.layout`, :mod:`~fsdp_pass.plan.sharding`: how each parameter is cut on dim 0 at a
+  world size (takes the module's parameter shapes, gives a :class:`ShardingPlan`);
+- :mod:`~fsdp_pass.plan.module_tree`, :mod:`~fsdp_pass.plan.unit_policies`,
+  :mod:`~fsdp_pass.plan.plan_units`, :mod:`~fsdp_pass.plan.units`: which parameters travel together (takes the
+  module tree and the functional forward trace, gives a :class:`UnitPlan`);
+- :mod:`~fsdp_pass.plan.trace_arguments`: which trace arguments are which parameters;
+- :mod:`~fsdp_pass.plan.schedule`, :mod:`~fsdp_pass.plan.mixed_precision`: the user's settings for when
+  collectives run and in which dtypes.
+"""

@@ -1,0 +1,72 @@
+"""The unit plan: the FSDP units of one forward trace, each a group of parameter uses gathered with one
+all-gather and reduced with one reduce-scatter. Made from the functional forward trace
+(:func:`~fsdp_pass.plan.plan_units.plan_units`); frozen, and printable as a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_pass.plan.sharding import ShardingPlan
+from fsdp_pass.text import format_table, human_bytes
+
+
+@dataclass(frozen=True)
+class Unit:
+    """An FSDP unit: parameter uses that are gathered, used and released together."""
+
+    name: str
+    params: tuple[str, ...]  # parameter names, in the order they sit in the flat buffer
+    reshard_after_forward: bool  # ZeRO-3 for this unit: gather again in the backward
+    first_use: int = -1  # index of the first forward op that reads one of the params
+    last_use: int = -1
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """The units of one forward trace, in the order their all-gathers are issued."""
+
+    sharding: ShardingPlan
+    units: tuple[Unit, ...]
+    policy: str = "per_parameter"
+    notes: tuple[str, ...] = field(default=())
+
+    def unit_numel(self, unit: Unit) -> tuple[int, int, int]:
+        """(unsharded numel, sharded numel per rank, padding numel) of ``unit``."""
+        specs = [self.sharding.param(n) for n in unit.params]
+        return (
+            sum(s.layout.numel for s in specs),
+            sum(s.layout.shard_numel for s in specs),
+            sum(s.layout.padding_numel for s in specs),
+        )
+
+    def unit_itemsize(self, unit: Unit) -> int:
+        return self.sharding.param(unit.params[0]).itemsize
+
+    def __str__(self) -> str:
+        sp = self.sharding
+        head = (
+            f"FSDP plan: strategy={sp.strategy.value} world_size={sp.world_size} "
+            f"units={len(self.units)} policy={self.policy}"
+        )
+        cols = ("unit", "params", "numel", "sharded/rank", "unsharded", "padding", "first..last use", "reshard")
+        rows = []
+        for u in self.units:
+            numel, shard_numel, pad = self.unit_numel(u)
+            b = self.unit_itemsize(u)
+            params = ", ".join(u.params)
+            rows.append(
+                (
+                    u.name,
+                    params if len(params) <= 60 else params[:57] + "...",
+                    f"{numel:,}",
+                    human_bytes(shard_numel * b),
+                    human_bytes(shard_numel * b * sp.world_size),
+                    f"{pad:,}",
+                    f"{u.first_use}..{u.last_use}",
+                    "yes" if u.reshard_after_forward else "no",
+                )
+            )
+        lines = [head, *format_table(cols, rows)]
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,28 @@
+"""Text for people: byte counts, tables, and the header every inserted collective carries."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_table(cols, rows) -> list[str]:
+    """A header, a dashed rule and one line per row, each column left-aligned to its widest cell."""
+    rows = [tuple(str(v) for v in r) for r in rows]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*line).rstrip() for line in [cols, ["-" * w for w in widths], *rows]]
+
+
+def collective_label(unit_name: str, kind: str, n_params: int, shard_bytes: int, world_size: int, padding: int) -> str:
+    """The header every inserted collective carries in the printed traces."""
+    return (
+        f"[fsdp] unit {unit_name!r} {kind}: {n_params} param(s), "
+        f"{human_bytes(shard_bytes)}/rank x {world_size} = {human_bytes(shard_bytes * world_size)}"
+        + (f", {padding:,} padding elements" if padding else "")
+    )
