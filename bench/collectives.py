@@ -36,20 +36,22 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+
 # c10d op name -> (kind, which argument holds the *small* side, whether that side is scaled by N)
 #   all-gather: the input (this rank's part) x N = full buffer
 #   reduce-scatter: the output (this rank's part) x N = full buffer
 #   all-reduce: the tensors themselves are the full buffer
 _OPS: dict[str, tuple[str, int, bool]] = {
-    "_allgather_base_": ("all_gather", 1, True),
-    "allgather_": ("all_gather", 1, True),
-    "allgather_coalesced_": ("all_gather", 1, True),
-    "allgather_into_tensor_coalesced_": ("all_gather", 1, True),
-    "_reduce_scatter_base_": ("reduce_scatter", 0, True),
-    "reduce_scatter_": ("reduce_scatter", 0, True),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 0, True),
-    "allreduce_": ("all_reduce", 0, False),
-    "allreduce_coalesced_": ("all_reduce", 0, False),
+    "_allgather_base_": (ALL_GATHER, 1, True),
+    "allgather_": (ALL_GATHER, 1, True),
+    "allgather_coalesced_": (ALL_GATHER, 1, True),
+    "allgather_into_tensor_coalesced_": (ALL_GATHER, 1, True),
+    "_reduce_scatter_base_": (REDUCE_SCATTER, 0, True),
+    "reduce_scatter_": (REDUCE_SCATTER, 0, True),
+    "reduce_scatter_tensor_coalesced_": (REDUCE_SCATTER, 0, True),
+    "allreduce_": (ALL_REDUCE, 0, False),
+    "allreduce_coalesced_": (ALL_REDUCE, 0, False),
     "broadcast_": ("other", 0, False),
     "reduce_": ("other", 0, False),
     "gather_": ("other", 1, False),
@@ -62,8 +64,8 @@ _OPS: dict[str, tuple[str, int, bool]] = {
 # not communication of data (or not part of a training step's traffic)
 _IGNORED = {"barrier", "monitored_barrier_", "wait", "recv_any_source_"}
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
-SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "other": "other"}
+KINDS = (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, "other")
+SHORT = {ALL_GATHER: "AG", REDUCE_SCATTER: "RS", ALL_REDUCE: "AR", "other": "other"}
 
 _DTYPE_BYTES = {
     "float": 4,
@@ -104,8 +106,8 @@ class StepComms:
         n = self.world_size
         f = (n - 1) / n
         return (
-            f * (self.full_bytes["all_gather"] + self.full_bytes["reduce_scatter"] + self.full_bytes["other"])
-            + 2 * f * self.full_bytes["all_reduce"]
+            f * (self.full_bytes[ALL_GATHER] + self.full_bytes[REDUCE_SCATTER] + self.full_bytes["other"])
+            + 2 * f * self.full_bytes[ALL_REDUCE]
         )
 
     def breakdown(self) -> str:

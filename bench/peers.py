@@ -30,8 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_pass_executors import executors_for
+
 from bench.model import loss_fn
+from fsdp_pass import FSDP, BySize, Schedule, no_sync
 from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.report.step_stats import step_stats
 
 LR = 1e-3
 
@@ -100,8 +104,6 @@ class Trainer:
         self.micro_batches, self.no_sync = micro_batches, no_sync
 
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        from fsdp_pass import no_sync
-
         for k in range(self.micro_batches):
             accumulate = self.no_sync and k < self.micro_batches - 1
             with no_sync(self.module) if accumulate else contextlib.nullcontext():
@@ -123,7 +125,6 @@ class System:
 
 def thunder_executors(which: str = "ours"):
     """``"ours"``: the project's executors for CPU; ``"thunder"``: Thunder's own (its torch executor)."""
-    from fsdp_pass_executors import executors_for
     from thunder.extend import get_executor
 
     return executors_for("cpu") if which == "ours" else [get_executor("torch")]
@@ -201,8 +202,6 @@ def ours_builder(
     def build(model: nn.Module) -> Trainer:
         import thunder
 
-        from fsdp_pass import FSDP, BySize, Schedule
-
         policy = BySize(int(units.split(":")[1])) if units.startswith("by_size:") else units
         schedule = None if prefetch is None else Schedule(prefetch=prefetch)
         transform = FSDP(strategy, units=policy, schedule=schedule, **(options or {}))
@@ -215,8 +214,6 @@ def ours_builder(
 def trace_stats(trainer: Trainer) -> dict:
     """Peak gathered-parameter memory read off the final traces (``fsdp_pass.report.step_stats``)."""
     import thunder
-
-    from fsdp_pass.report.step_stats import step_stats
 
     fwd = thunder.last_traces(trainer.module)[-1]
     bwd = thunder.last_backward_traces(trainer.module)[-1]

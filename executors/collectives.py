@@ -37,8 +37,17 @@ import torch
 import torch.distributed as dist
 from thunder.distributed import prims as dist_prims
 from thunder.extend import OperatorExecutor, register_executor
+from fsdp_pass.op_names import (
+    ALL_GATHER,
+    ALL_GATHER_OP,
+    COMM_EXECUTOR,
+    REDUCE_SCATTER,
+    REDUCE_SCATTER_OP,
+    WAIT_OP,
+    CollectiveKind,
+)
 
-comm_ex = OperatorExecutor("fsdp_comm", version="0.1")
+comm_ex = OperatorExecutor(COMM_EXECUTOR, version="0.1")
 register_executor(comm_ex)
 
 
@@ -46,7 +55,7 @@ register_executor(comm_ex)
 class CollectiveEvent:
     """One collective as the host saw it (``time.perf_counter()`` seconds)."""
 
-    kind: str  # "all_gather" or "reduce_scatter"
+    kind: CollectiveKind
     numel: int  # of the full (unsharded) buffer
     issued: float
     wait_started: float
@@ -81,7 +90,7 @@ class InFlight:
     output: torch.Tensor
     input: torch.Tensor | None
     stream: object  # the CUDA stream it runs on, or None
-    kind: str = "collective"
+    kind: CollectiveKind | None = None
     issued: float = 0.0  # time.perf_counter() at issue
     completion: object = None  # recording only: a future whose value is the time the collective finished
 
@@ -110,7 +119,7 @@ def _completion_of(work):
         return None
 
 
-def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: str = "collective") -> InFlight:
+def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: CollectiveKind | None = None) -> InFlight:
     issued = time.perf_counter()
     if not output.is_cuda:
         work = start(output, input)
@@ -131,7 +140,7 @@ def _resized(a: torch.Tensor, group, grow: bool) -> torch.Tensor:
 
 def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None):
     out = _resized(a, group, grow=True)
-    flight = _issue(lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True), out, a, "all_gather")
+    flight = _issue(lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True), out, a, ALL_GATHER)
     return flight if do_async else _wait_impl(flight)
 
 
@@ -141,7 +150,7 @@ def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | Non
     out = _resized(a, group, grow=False)
     reduce_op = to_torch_distributed_reduce_op(op)
     flight = _issue(
-        lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True), out, a, "reduce_scatter"
+        lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True), out, a, REDUCE_SCATTER
     )
     return flight if do_async else _wait_impl(flight)
 
@@ -157,7 +166,7 @@ def _wait_impl(flight, /) -> torch.Tensor:
     WAIT_CLOCK.seconds += t1 - t0
     WAIT_CLOCK.waits += 1
     if WAIT_CLOCK.events is not None:
-        numel = flight.input.numel() if flight.kind == "reduce_scatter" else flight.output.numel()
+        numel = flight.input.numel() if flight.kind is REDUCE_SCATTER else flight.output.numel()
         WAIT_CLOCK.events.append(CollectiveEvent(flight.kind, numel, flight.issued, t0, t1, _completed_at(flight)))
     flight.input = None  # released only now that the compute stream is ordered after the collective
     flight.completion = None
@@ -180,11 +189,11 @@ def _scatters_dim0(a, /, op, group, do_async, dim=None) -> bool:
     return dim in (None, 0)
 
 
-all_gather_impl = comm_ex.register_operator("fsdp_all_gather", meta=dist_prims.all_gather.meta, fn=_all_gather_impl)
+all_gather_impl = comm_ex.register_operator(ALL_GATHER_OP, meta=dist_prims.all_gather.meta, fn=_all_gather_impl)
 reduce_scatter_impl = comm_ex.register_operator(
-    "fsdp_reduce_scatter", meta=dist_prims.reduce_scatter.meta, fn=_reduce_scatter_impl
+    REDUCE_SCATTER_OP, meta=dist_prims.reduce_scatter.meta, fn=_reduce_scatter_impl
 )
-wait_impl = comm_ex.register_operator("fsdp_wait", meta=dist_prims.wait.meta, fn=_wait_impl)
+wait_impl = comm_ex.register_operator(WAIT_OP, meta=dist_prims.wait.meta, fn=_wait_impl)
 
 comm_ex.register_implementation(dist_prims.all_gather, all_gather_impl, checker=_gathers_dim0)
 comm_ex.register_implementation(dist_prims.reduce_scatter, reduce_scatter_impl, checker=_scatters_dim0)

@@ -1,17 +1,16 @@
 """fsdp_pass: Fully Sharded Data Parallel (ZeRO-2 / ZeRO-3) as a trace pass for Lightning Thunder."""
 
+from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.report.explain import Explanation, explain
 from fsdp_pass.groups import fake_process_group
-from fsdp_pass.ops.grad_accumulation import no_sync
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision
-from fsdp_pass.plan.sharding import ShardingPlan, Strategy
-from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.shard.state_dict import full_state_dict, load_full_state_dict
-from fsdp_pass.transform import FSDP
+from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
+from fsdp_pass.plan.units import Unit, UnitPlan
+from fsdp_pass.report.explain import Explanation
+from fsdp_pass.transform import FSDP
 
 __all__ = [
     "FSDP",
@@ -30,6 +29,7 @@ __all__ = [
     "UnitPlan",
     "explain",
     "fake_process_group",
+    "fsdp_of",
     "full_state_dict",
     "load_full_state_dict",
     "no_sync",

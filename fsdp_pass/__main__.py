@@ -15,10 +15,11 @@ import torch
 
 from fsdp_pass import zoo
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.report.explain import OPTIMIZER_STATES
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
+from fsdp_pass.report.dry_run import dry_run
+from fsdp_pass.report.explain import OPTIMIZER_STATES
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,8 +57,6 @@ def _units(spec: str):
 
 
 def explain_command(ns) -> int:
-    from fsdp_pass.report.dry_run import dry_run
-
     overrides = {"n_layer": ns.layers, "seq": ns.seq, "local_batch": ns.batch} if ":" not in ns.model else {}
     module, args = zoo.build(ns.model, "meta", **overrides)
     print(f"model {ns.model}: {zoo.param_count(module) / 1e9:.3g} B parameters (meta device, nothing allocated)")

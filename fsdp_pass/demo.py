@@ -24,10 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fsdp_pass_executors import WAIT_CLOCK, describe, executors_for
 
-from fsdp_pass import FSDP, Schedule, full_state_dict
+from fsdp_pass.api import fsdp_of, full_state_dict
+from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass.text import human_bytes
-from fsdp_pass.transform import fsdp_of
+from fsdp_pass.transform import FSDP
 from fsdp_pass.zoo import WithLoss
 
 
@@ -93,7 +94,7 @@ def measured_against_predicted(jm, x, y, device, repeats: int = 3) -> str:
     )
 
 
-def main(argv=None):
+def _arguments(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="zero3", choices=["zero2", "zero3"])
     parser.add_argument("--steps", type=int, default=20)
@@ -102,22 +103,25 @@ def main(argv=None):
     parser.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (Schedule(prefetch=...))")
     parser.add_argument("--no-schedule", action="store_true", help="skip the scheduling pass (Thunder's order)")
     parser.add_argument("--no-traces", action="store_true", help="do not print the traces")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+
+def _show_compile(jm, say, traces: bool) -> None:
+    """After the first step: explain(), the traces, the overlap report."""
+    fsdp = fsdp_of(jm)
+    say(f"\n{fsdp.explain()}\n")
+    if traces:
+        say("=" * 30, "forward trace (rank 0)", "=" * 30)
+        say(thunder.last_traces(jm)[-1])
+        say("=" * 30, "backward trace (rank 0)", "=" * 30)
+        say(thunder.last_backward_traces(jm)[-1])
+    say("=" * 30, "overlap: what computes while each collective is in flight (rank 0)", "=" * 30)
+    say(fsdp.overlap_report(), "\n")
+
+
+def _train(jm, opt, args, device, say):
+    """The training loop: a step per global batch, each rank on its slice. Returns the last batch."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
-    say = print if rank == 0 else (lambda *a, **k: None)
-
-    torch.manual_seed(0)
-    model = WithLoss(TinyLM(n_layer=args.layers)).to(device)  # the loss inside: the traces cover the step
-    executors = executors_for(device)
-    schedule = None if args.no_schedule else Schedule(prefetch=args.prefetch)
-    jm = thunder.jit(model, transforms=[FSDP(args.strategy, schedule=schedule)], executors=executors)
-    opt = torch.optim.AdamW(jm.parameters(), lr=3e-3)
-    say(f"fsdp_pass demo: {args.strategy}, {world} ranks ({dist.get_backend()}), executors: {describe(executors)}")
-
     step_times = []
     for step in range(args.steps):
         if step == 1:
@@ -129,28 +133,39 @@ def main(argv=None):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
+        step_times.append(time.perf_counter() - t0)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         if step == 0:
-            fsdp = fsdp_of(jm)
-            say(f"\n{fsdp.explain()}\n")
-            if not args.no_traces:
-                say("=" * 30, "forward trace (rank 0)", "=" * 30)
-                say(thunder.last_traces(jm)[-1])
-                say("=" * 30, "backward trace (rank 0)", "=" * 30)
-                say(thunder.last_backward_traces(jm)[-1])
-            say("=" * 30, "overlap: what computes while each collective is in flight (rank 0)", "=" * 30)
-            say(fsdp.overlap_report(), "\n")
-        say(f"step {step:3d}  loss {float(mean) / world:.4f}  ({dt * 1000:.0f} ms{', includes compile' if step == 0 else ''})")
-
+            _show_compile(jm, say, traces=not args.no_traces)
+        compile_note = ", includes compile" if step == 0 else ""
+        say(f"step {step:3d}  loss {float(mean) / world:.4f}  ({step_times[-1] * 1000:.0f} ms{compile_note})")
     if args.steps > 1:
         timed = args.steps - 1
         say(
             f"\nafter the compile step: {sum(step_times[1:]) / timed * 1000:.1f} ms per step, of which "
             f"{WAIT_CLOCK.seconds / timed * 1000:.1f} ms blocked in collective waits (rank 0)"
         )
+    return x, y
+
+
+def main(argv=None):
+    args = _arguments(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    world = dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
+    say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
+
+    torch.manual_seed(0)
+    model = WithLoss(TinyLM(n_layer=args.layers)).to(device)  # the loss inside: the traces cover the step
+    executors = executors_for(device)
+    schedule = None if args.no_schedule else Schedule(prefetch=args.prefetch)
+    jm = thunder.jit(model, transforms=[FSDP(args.strategy, schedule=schedule)], executors=executors)
+    opt = torch.optim.AdamW(jm.parameters(), lr=3e-3)
+    say(f"fsdp_pass demo: {args.strategy}, {world} ranks ({dist.get_backend()}), executors: {describe(executors)}")
+    x, y = _train(jm, opt, args, device, say)
+
     say("\n" + measured_against_predicted(jm, x, y, device))
     full = full_state_dict(jm)
     local = sum(p.numel() for p in jm.parameters())

@@ -1,75 +1,93 @@
 """The pass, step by step, on a functional trace in one process (what the notebooks do).
 
     with fake_process_group(8) as group:
-        prologue, trace = functional_trace(model, x)                   # 1. Thunder's functional forward
-        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model)  # 2-3.
-        forward, backward = derive_backward_and_lower(sharded)          # 4-6. autodiff, lowering, schedule
+        prologue, trace = functional_trace(model, x)                          # Thunder's functional forward
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model)  # stages 1-3
+        forward, backward = derive_backward_and_lower(sharded, plan)           # autodiff, lowering, stages 5-7
 
-No module is changed and nothing is communicated: the traces show what every rank would run.
+The stages are those of :mod:`fsdp_pass.pipeline`, the ones the ``FSDP`` transform runs: the traces come
+out the same as ``thunder.jit(model, transforms=[FSDP(...)])`` makes them. No module is changed and
+nothing is communicated: the traces show what every rank would run.
 """
 
 from __future__ import annotations
 
 import thunder
 import torch.distributed as dist
+from fsdp_pass_executors import executors_for
+from thunder.core.compile_data import compile_data_and_stats
+from thunder.core.transform_common import Transform
+from thunder.core.transforms import dce
+from thunder.executors.passes import del_last_used
+from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
+from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.errors import check
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.module_tree import ModuleTree
-from fsdp_pass.passes.insert_unshards import insert_unshards
-from fsdp_pass.plan.trace_arguments import parameter_names_of_args
-from fsdp_pass.passes.schedule_collectives import schedule_collectives
-from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
-from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
-from fsdp_pass.plan.plan_units import plan_units
+from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
+from fsdp_pass.plan.trace_arguments import parameter_names_of_args
+from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.shard.module import ShardedModel
+
+
+class _KeepTraces(Transform):
+    """Keeps the prologue and computation trace Thunder hands to transforms, changing nothing."""
+
+    def transform_traces_pre_prologue(self, prologue, computation, epilogue, **kwargs):
+        self.traces = prologue, computation
+        return prologue, computation, epilogue
 
 
 def functional_trace(model, *args, **kwargs):
-    """Thunder's prologue and functional forward trace of ``model(*args)`` (the trace transforms receive)."""
-    jm = thunder.jit(model)
-    cache_entry, _, _ = thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
-    traces = cache_entry.computation_traces
-    (trace,) = [t for t in traces if "Remove context manager prims" in str(t.get_provenance())]
-    return cache_entry.prologue_traces[0], trace
+    """Thunder's prologue and functional forward trace of ``model(*args)``: what a transform receives."""
+    keep = _KeepTraces()
+    jm = thunder.jit(model, transforms=[keep])
+    thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
+    return keep.traces
+
+
+def sharding_of_trace(prologue, computation, group, strategy) -> ShardingPlan:
+    """The sharding plan of the trace's parameter arguments at the group's world size."""
+    param_of_arg = parameter_names_of_args(prologue, computation)
+    world_size = group.size()
+    specs = []
+    for a in computation.args:
+        if getattr(a, "name", None) in param_of_arg:
+            name = param_of_arg[a.name]
+            layout = ShardLayout(tuple(a.shape), world_size)
+            specs.append(ParamSpec(name, name, layout, thunder.dtypes.to_torch_dtype(a.dtype), a.requires_grad))
+    return ShardingPlan(world_size, dist.get_rank(group), parse_strategy(strategy), tuple(specs))
 
 
 def shard_functional_trace(
-    prologue, computation, group, strategy="zero2", units="blocks", model=None, reshard_after_forward=None
+    prologue, computation, group, strategy="zero2", units="blocks", model=None, reshard_after_forward=None, **options
 ):
-    """Shard the parameter arguments of ``computation`` and insert the unit gathers: (trace, UnitPlan).
+    """Stages 1-3 of the pipeline on ``computation``: (the trace with the unit gathers, its UnitPlan).
 
     ``model`` (the module the trace came from) lets the unit policy see the module tree; without it
-    every parameter hangs off the root.
+    every parameter hangs off the root. ``options``: the other options of ``FSDP(...)`` that act before
+    autodiff (``mixed_precision``, ``checkpoint_activations``).
     """
     check(
         dist.is_initialized(),
         "shard_functional_trace needs a process group (its size is the world size the trace is built for).",
         "Wrap the call in `with fsdp_pass.fake_process_group(world_size) as group:`.",
     )
-    arg_params = parameter_names_of_args(prologue, computation)
-    world_size = group.size()
-    specs = []
-    for a in computation.args:
-        if getattr(a, "name", None) in arg_params:
-            name = arg_params[a.name]
-            layout = ShardLayout(tuple(a.shape), world_size)
-            specs.append(ParamSpec(name, name, layout, thunder.dtypes.to_torch_dtype(a.dtype), a.requires_grad))
-    sharding = ShardingPlan(world_size, dist.get_rank(group), parse_strategy(strategy), tuple(specs))
+    fsdp = FSDPOptions.resolve(strategy, units=units, reshard_after_forward=reshard_after_forward, **options)
     tree = ModuleTree.of(model) if model is not None else None
-    plan: UnitPlan = plan_units(computation, arg_params, sharding, units, tree, reshard_after_forward)
-    return insert_unshards(computation, plan, arg_params, group), plan
+    sharded = ShardedModel(sharding_of_trace(prologue, computation, group, fsdp.strategy), group, tree)
+    _, computation, plan = rewrite_forward(prologue, computation, sharded, fsdp)
+    return computation, plan
 
 
-def derive_backward_and_lower(trace, executors=None, schedule: Schedule | None = DEFAULT_SCHEDULE):
-    """Thunder's autodiff and lowering, as thunder.jit runs them, then the scheduling pass (unless
-    ``schedule`` is None): (forward, backward) executable traces."""
-    from fsdp_pass_executors import executors_for
-    from thunder.core.compile_data import compile_data_and_stats
-    from thunder.core.transforms import dce
-    from thunder.executors.passes import del_last_used
-    from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
-
+def derive_backward_and_lower(
+    trace, plan: UnitPlan, executors=None, schedule: Schedule | None = DEFAULT_SCHEDULE
+):
+    """Thunder's autodiff and lowering, as thunder.jit runs them, then stages 5-7 of the pipeline (the
+    scheduling pass unless ``schedule`` is None, the lifetime check, the labels): (forward, backward)."""
     executors = executors if executors is not None else executors_for("cpu")
     # Thunder's passes read the executor list from the compile data in scope: give them one
     compile_data = thunder.compile_data(thunder.jit(lambda: None, executors=executors))
@@ -79,6 +97,8 @@ def derive_backward_and_lower(trace, executors=None, schedule: Schedule | None =
         lowered = thunder.transform_for_execution(joint, executors_list=executors, use_del_last_used=False)[-1]
         forward, backward = split_into_forward_and_backward(lowered)
     forward, backward = del_last_used(forward), del_last_used(backward, clear_mutable_collections=True)
-    if schedule is not None:
-        forward, backward = schedule_collectives(forward, schedule), schedule_collectives(backward, schedule)
+    # one process: there are no other ranks to compare collectives with
+    fsdp = FSDPOptions(strategy=plan.sharding.strategy, schedule=schedule, verify_ranks=False)
+    forward, _ = finish_lowered(forward, "forward", plan, fsdp)
+    backward, _ = finish_lowered(backward, "backward", plan, fsdp)
     return forward, backward

@@ -1,14 +1,30 @@
-"""Named predicates over bound symbols, keyed on symbol ids (never on printed text)."""
+"""Named predicates over bound symbols, keyed on symbol ids (never on printed text).
+
+The ids come from Thunder (its prims) and from :mod:`fsdp_pass.op_names` (this project's ops and the
+names its executor and Thunder's torch executor give the lowered collectives).
+"""
 
 from __future__ import annotations
 
 from thunder.core import prims
 from thunder.distributed.prims import PrimIDs as DistIDs
 
+from fsdp_pass.op_names import (
+    ALL_GATHER_OP,
+    REDUCE_SCATTER_OP,
+    TORCH_ALL_GATHER_OP,
+    TORCH_ALL_REDUCE_OP,
+    TORCH_REDUCE_SCATTER_OP,
+    TORCH_WAIT_OP,
+    UNSHARD_UNIT,
+    WAIT_OP,
+    CollectiveKind,
+)
+
 # lowered: Thunder's torch executor, and fsdp_pass_executors.collectives
-_ALL_GATHER_IMPL = ("torch_all_gather_prim_impl", "fsdp_all_gather")
-_REDUCE_SCATTER_IMPL = ("torch_reduce_scatter_prim_impl", "fsdp_reduce_scatter")
-_WAIT_IMPL = ("torch_wait_prim_impl", "fsdp_wait")
+_ALL_GATHER_IMPL = (TORCH_ALL_GATHER_OP, ALL_GATHER_OP)
+_REDUCE_SCATTER_IMPL = (TORCH_REDUCE_SCATTER_OP, REDUCE_SCATTER_OP)
+_WAIT_IMPL = (TORCH_WAIT_OP, WAIT_OP)
 
 
 def _id(bsym):
@@ -24,7 +40,7 @@ def is_reduce_scatter(bsym) -> bool:
 
 
 def is_all_reduce(bsym) -> bool:
-    return _id(bsym) in (DistIDs.ALL_REDUCE, "torch_all_reduce_prim_impl")
+    return _id(bsym) in (DistIDs.ALL_REDUCE, TORCH_ALL_REDUCE_OP)
 
 
 def is_wait(bsym) -> bool:
@@ -35,8 +51,19 @@ def is_collective(bsym) -> bool:
     return is_all_gather(bsym) or is_reduce_scatter(bsym) or is_all_reduce(bsym)
 
 
+def collective_kind(bsym) -> CollectiveKind | None:
+    """Which collective ``bsym`` issues (None if it is none)."""
+    if is_all_gather(bsym):
+        return CollectiveKind.ALL_GATHER
+    if is_reduce_scatter(bsym):
+        return CollectiveKind.REDUCE_SCATTER
+    if is_all_reduce(bsym):
+        return CollectiveKind.ALL_REDUCE
+    return None
+
+
 def is_unshard_unit(bsym) -> bool:
-    return _id(bsym) == "fsdp_pass.unshard_unit"
+    return _id(bsym) == UNSHARD_UNIT
 
 
 def is_unpack_parameter(bsym) -> bool:

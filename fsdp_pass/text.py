@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fsdp_pass.op_names import CollectiveKind
+
 
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -19,10 +21,13 @@ def format_table(cols, rows) -> list[str]:
     return [fmt.format(*line).rstrip() for line in [cols, ["-" * w for w in widths], *rows]]
 
 
-def collective_label(unit_name: str, kind: str, n_params: int, shard_bytes: int, world_size: int, padding: int) -> str:
+def collective_label(
+    unit_name: str, kind: CollectiveKind, n_params: int, shard_bytes: int, world_size: int, padding: int
+) -> str:
     """The header every inserted collective carries in the printed traces."""
+    what = f"{kind} grads" if kind is CollectiveKind.REDUCE_SCATTER else str(kind)
     return (
-        f"[fsdp] unit {unit_name!r} {kind}: {n_params} param(s), "
+        f"[fsdp] unit {unit_name!r} {what}: {n_params} param(s), "
         f"{human_bytes(shard_bytes)}/rank x {world_size} = {human_bytes(shard_bytes * world_size)}"
         + (f", {padding:,} padding elements" if padding else "")
     )

@@ -1,17 +1,17 @@
-"""``FSDP``: the Thunder transform. A thin adapter from Thunder's hooks onto the pure passes.
+"""``FSDP``: the Thunder transform. A thin adapter from Thunder's hooks onto the pipeline.
 
 Thunder calls, in order:
   1. ``transform_module`` once, when ``thunder.jit`` is given the transform: shard the parameters
-     (:func:`~fsdp_pass.shard.module.shard_module`), producing the :class:`ShardingPlan`;
-  2. ``transform_traces_pre_prologue`` at each compile, on the functional forward trace: plan the
-     units (:func:`~fsdp_pass.plan.plan_units.plan_units`), insert the gathers
-     (:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`) and fix the prologue's checks
-     (:func:`~fsdp_pass.shard.prologue.shard_prologue`). Thunder then derives the backward
-     from ``unshard_unit``'s gradient rule (the reduce-scatters) and lowers both traces;
-  3. ``transform_trace_post_optimization`` on the final forward and backward traces: place the
-     collectives for overlap (:func:`~fsdp_pass.passes.schedule_collectives.schedule_collectives`),
-     check that all ranks issue the same collectives (:mod:`fsdp_pass.verify`) and label each
-     collective with its unit (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
+     (:func:`~fsdp_pass.shard.module.shard_module`), giving a :class:`~fsdp_pass.shard.module.ShardedModel`;
+  2. ``transform_traces_pre_prologue`` at each compile, on the prologue and the functional forward trace:
+     stages 1-3 of :mod:`fsdp_pass.pipeline` (plan the units, shard the prologue's checks, insert the
+     gathers). Thunder then derives the backward from ``unshard_unit``'s gradient rule (the
+     reduce-scatters) and lowers both traces;
+  3. ``transform_trace_post_optimization`` on the final forward and backward traces: stages 5-7 of the
+     pipeline (schedule, verify, label).
+
+Each compile is kept as one frozen :class:`~fsdp_pass.compiled_step.CompiledStep` (``compiled_step``), which
+``explain()`` and ``overlap_report()`` read.
 """
 
 from __future__ import annotations
@@ -19,39 +19,19 @@ from __future__ import annotations
 from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
 
-from fsdp_pass.ops import grad_accumulation
-from fsdp_pass.errors import check, fail
+from fsdp_pass.pipeline import finish_lowered, rewrite_forward
+from fsdp_pass.compiled_step import CompiledStep
+from fsdp_pass.errors import check
+from fsdp_pass.op_names import COMM_EXECUTOR
+from fsdp_pass.ops.grad_accumulation import REDUCE, GradAccumulators
 from fsdp_pass.plan.layout import shard_tensor
-from fsdp_pass.plan.mixed_precision import resolve_mixed_precision
-from fsdp_pass.shard.module import check_not_sharded_yet, check_process_group, place_shard, shard_module
-from fsdp_pass.plan.module_tree import ModuleTree
-from fsdp_pass.report.overlap import OverlapReport, overlap_report
-from fsdp_pass.passes.label_collectives import annotate_collectives
-from fsdp_pass.passes.units_of_collectives import units_of_collectives
-from fsdp_pass.passes.cast_compute import cast_compute
-from fsdp_pass.passes.checkpoint_units import checkpoint_units
-from fsdp_pass.passes.insert_unshards import insert_unshards
-from fsdp_pass.plan.trace_arguments import parameter_names_of_args
-from fsdp_pass.passes.schedule_collectives import schedule_collectives
-from fsdp_pass.shard.prologue import shard_prologue
-from fsdp_pass.plan.sharding import Strategy, parse_strategy
-from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
+from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
+from fsdp_pass.plan.sharding import Strategy
+from fsdp_pass.report.explain import Explanation, explain_step
+from fsdp_pass.report.overlap import OverlapReport, step_overlap
+from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.shard.state_dict import gather_full
-from fsdp_pass.plan.unit_policies import resolve_policy
-from fsdp_pass.plan.plan_units import plan_units
-from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
-from fsdp_pass.verify.same_collectives_on_all_ranks import check_same_collectives_on_all_ranks
-
-
-def _checkpoint_predicate(spec):
-    if isinstance(spec, bool):
-        return lambda unit: spec
-    check(
-        callable(spec),
-        f"checkpoint_activations={spec!r} is neither a bool nor a function of a unit.",
-        "Pass True (every unit), False, or a function Unit -> bool, e.g. lambda u: u.name.startswith('layers.').",
-    )
-    return spec
 
 
 class FSDP(Transform):
@@ -103,126 +83,111 @@ class FSDP(Transform):
         release_original_parameters: bool = True,
         verify_ranks: bool = True,
     ):
-        self.strategy = parse_strategy(strategy)
+        self.options = FSDPOptions.resolve(
+            strategy,
+            units=units,
+            reshard_after_forward=reshard_after_forward,
+            schedule=schedule,
+            checkpoint_activations=checkpoint_activations,
+            mixed_precision=mixed_precision,
+            offload_to=offload_to,
+            verify_ranks=verify_ranks,
+        )
         self.process_group = process_group
         self.device = device
         self.broadcast_from = broadcast_from
-        self.units = resolve_policy(units)
-        self.reshard_after_forward = reshard_after_forward
-        self.schedule = resolve_schedule(schedule)
-        self.checkpoint_activations = _checkpoint_predicate(checkpoint_activations)
-        self.checkpointed_units: tuple[str, ...] = ()  # latest compile
-        self.mixed_precision = resolve_mixed_precision(mixed_precision)
-        self.offload_to = offload_to
-        self.shard_device = None  # where the shards live: offload_to, else device
-        self.accumulation_key = grad_accumulation.new_key()  # no_sync's accumulators of this transform
         self.release_original_parameters = release_original_parameters
-        self.verify_ranks = verify_ranks
-        self.group = None
-        self.sharding = None
-        self.tree = None  # the module tree the unit policy reads
-        self.unit_plan = None  # the plan of the latest compile
-        self._param_of_arg: dict[str, str] = {}  # latest compile: argument name -> parameter name
-        self._arg_order: list[str | None] = []  # latest compile: argument names, in order
-        self._final_traces: dict = {}  # latest compile: phase -> final trace
-        self._unit_of_collective: dict[str, str] = {}  # latest compile: collective output name -> unit
+        self.accumulators = GradAccumulators()  # what no_sync() accumulates for this transform's model
+        self.model: ShardedModel | None = None  # set once the module is sharded
+        self.compiled_step: CompiledStep | None = None  # the latest compile
 
     def __repr__(self) -> str:
-        return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.units.name!r})"
+        return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.options.unit_policy.name!r})"
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.options.strategy
+
+    @property
+    def sharding(self):
+        """The :class:`~fsdp_pass.plan.sharding.ShardingPlan` (None before the module is sharded)."""
+        return None if self.model is None else self.model.sharding
+
+    @property
+    def group(self):
+        return None if self.model is None else self.model.group
+
+    @property
+    def unit_plan(self):
+        """The :class:`~fsdp_pass.plan.units.UnitPlan` of the latest compile (None before the first)."""
+        return None if self.compiled_step is None else self.compiled_step.plan
 
     def transform_module(self, model) -> None:
-        self.group = check_process_group(self.process_group)
+        group = check_process_group(self.process_group)
         check_not_sharded_yet(model)
-        self.tree = ModuleTree.of(model._model)
-        self.sharding, self.device, self.shard_device = shard_module(
+        self.model = shard_module(
             model,
-            self.group,
+            group,
             self.strategy,
             self.device,
             self.broadcast_from,
             self.release_original_parameters,
-            self.offload_to,
+            self.options.offload_to,
         )
-        model._fsdp_pass_plan = self.sharding
+        model._fsdp_pass_plan = self.model.sharding
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
-        arg_params = parameter_names_of_args(prologue_trace, computation_trace)
-        self._param_of_arg = arg_params
-        self._arg_order = [getattr(a, "name", None) for a in computation_trace.args]
-        self.unit_plan = plan_units(
-            computation_trace, arg_params, self.sharding, self.units, self.tree, self.reshard_after_forward
-        )
-        grad_sync = (grad_accumulation.mode_of(self.accumulation_key), self.accumulation_key)
-        if grad_sync[0] != grad_accumulation.REDUCE:
+        grad_sync = (self.accumulators.mode(), self.accumulators)
+        if grad_sync[0] != REDUCE:
             check_accumulation_executor(kwargs.get("executors_list", ()))
-        computation_trace = insert_unshards(
-            computation_trace,
-            self.unit_plan,
-            arg_params,
-            self.group,
-            precision=self.mixed_precision,
-            compute_device=None if self.offload_to is None else str(self.device),
-            grad_sync=grad_sync,
+        prologue_trace, computation_trace, plan = rewrite_forward(
+            prologue_trace, computation_trace, self.model, self.options, grad_sync
         )
-        computation_trace = cast_compute(computation_trace, self.mixed_precision, arg_params)
-        self.checkpointed_units = tuple(u.name for u in self.unit_plan.units if self.checkpoint_activations(u))
-        computation_trace = checkpoint_units(computation_trace, self.checkpointed_units)
-        prologue_trace = shard_prologue(prologue_trace, self.sharding, self.shard_device, grad_sync)
+        self.compiled_step = CompiledStep(plan, self.options)
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
         phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
-        found = units_of_collectives(computation_trace, self.unit_plan, self._param_of_arg, self._arg_order)
-        if self.schedule is not None:
-            kept = frozenset(
-                name
-                for name, (unit, kind) in found.items()
-                if phase == "forward" and kind == "all-gather" and not unit.reshard_after_forward
-            )
-            computation_trace = schedule_collectives(computation_trace, self.schedule, kept)
-        check_collective_lifetimes(computation_trace)
-        if self.verify_ranks:
-            check_same_collectives_on_all_ranks(computation_trace, phase, self.group)
-        self._unit_of_collective.update({name: unit.name for name, (unit, _) in found.items()})
-        self._final_traces[phase] = annotate_collectives(computation_trace, self.unit_plan, found)
-        return self._final_traces[phase]
+        step = self.compiled_step
+        trace, units = finish_lowered(computation_trace, phase, step.plan, self.options, self.model.group)
+        self.compiled_step = step.with_final_trace(phase, trace, units)
+        return trace
 
     def overlap_report(self) -> OverlapReport:
         """Per collective of the latest compile: issue, wait, and the compute that runs in between."""
+        return step_overlap(self._compiled("overlap_report()"))
+
+    def explain(self, optimizer="adam") -> Explanation:
+        """The per-unit table and per-rank totals of the latest compile (:func:`fsdp_pass.explain`)."""
+        return explain_step(self._compiled("explain()"), optimizer=optimizer)
+
+    def _compiled(self, what: str) -> CompiledStep:
         check(
-            "forward" in self._final_traces,
-            "overlap_report() reads the traces of a compiled step, and none was compiled yet.",
-            "Call the jitted model once (and .backward() for the backward rows) first.",
+            self.compiled_step is not None and self.compiled_step.forward is not None,
+            f"{what} reads the traces of a compiled step, and this model has not been compiled yet.",
+            "Run one step first (loss = jm(x); loss.backward()), or use `python -m fsdp_pass explain` for a dry run.",
         )
-        return overlap_report(
-            self._final_traces["forward"], self._final_traces.get("backward"), self._unit_of_collective
-        )
-
-    def explain(self, optimizer="adam"):
-        """The per-unit table and per-rank totals of the latest compile (:func:`fsdp_pass.report.explain.explain`)."""
-        from fsdp_pass.report.explain import explain
-
-        return explain(self, optimizer=optimizer)
+        return self.compiled_step
 
     # state dicts through ThunderModule.load_original_state_dict / original_state_dict
     def transform_state_dict_for_submodule(self, model, submodule_name, state_dict):
         prefix = f"{submodule_name}." if submodule_name else ""
-        out = {}
+        sharding, out = self.model.sharding, {}
         for k, v in state_dict.items():
             name = prefix + k
-            if name in self.sharding:
-                v = shard_tensor(v.to(self.device), self.sharding.param(name).layout, self.sharding.rank)
-                v = place_shard(v, self.shard_device, self.device)
+            if name in sharding:
+                v = shard_tensor(v.to(self.model.device), sharding.param(name).layout, sharding.rank)
+                v = place_shard(v, self.model.shard_device, self.model.device)
             out[k] = v
         return out
 
     def reverse_transform_state_dict_for_submodule(self, model, submodule_name, state_dict):
         prefix = f"{submodule_name}." if submodule_name else ""
-        out = {}
+        sharding, out = self.model.sharding, {}
         for k, v in state_dict.items():
             name = prefix + k
-            if name in self.sharding:
-                v = gather_full(v, self.sharding.param(name).layout, self.group)
+            if name in sharding:
+                v = gather_full(v, sharding.param(name).layout, self.model.group)
             out[k] = v
         return out
 
@@ -230,18 +195,7 @@ class FSDP(Transform):
 def check_accumulation_executor(executors) -> None:
     """The accumulation ops run on the ``fsdp_comm`` executor only: say so before lowering fails."""
     check(
-        any(getattr(ex, "name", None) == "fsdp_comm" for ex in executors),
-        "Gradient accumulation (fsdp_pass.no_sync) needs the fsdp_comm executor, and it is not in executors=.",
+        any(getattr(ex, "name", None) == COMM_EXECUTOR for ex in executors),
+        f"Gradient accumulation (fsdp_pass.no_sync) needs the {COMM_EXECUTOR} executor, and it is not in executors=.",
         "Jit with executors=fsdp_pass_executors.executors_for(device) (or put fsdp_pass_executors.comm_ex first).",
-    )
-
-
-def fsdp_of(jitted) -> FSDP:
-    """The :class:`FSDP` transform a model was jitted with (an error saying what to pass otherwise)."""
-    for t in getattr(jitted, "_lc_transforms", ()):
-        if isinstance(t, FSDP):
-            return t
-    fail(
-        f"This model ({type(jitted).__name__}) was not compiled with fsdp_pass.FSDP.",
-        "Pass the model returned by thunder.jit(model, transforms=[FSDP(...)]).",
     )

@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
-from fsdp_pass import FSDP, full_state_dict, load_full_state_dict
+from fsdp_pass import FSDP, explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
+from fsdp_pass.op_names import REDUCE_SCATTER
 from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.report.measure import CollectiveBytes
 from fsdp_pass.shard.state_dict import gather_full
-from fsdp_pass.transform import fsdp_of
 from tests import models
 
 
@@ -254,10 +255,6 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
     whole global batch at once. Reports gradient errors, the collectives of each micro-batch and the bytes
     the accumulators held.
     """
-    from fsdp_pass import explain, no_sync
-    from fsdp_pass.ops.grad_accumulation import pending_bytes
-    from fsdp_pass.report.measure import CollectiveBytes
-
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, **fsdp_kwargs)
     opt = torch.optim.SGD(jm.parameters(), lr=0.1)
@@ -278,9 +275,9 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
             with CollectiveBytes() as sent, contextlib.nullcontext() if last else no_sync(jm):
                 loss = models.loss_fn(model_name, jm(x[rows]), y[rows]) / micro_batches
                 loss.backward()
-            reduce_scatters.append(sum(1 for kind, _ in sent.calls if kind == "reduce_scatter"))
+            reduce_scatters.append(sum(1 for kind, _ in sent.calls if kind is REDUCE_SCATTER))
             if k == micro_batches - 2:
-                accumulated_bytes.append(pending_bytes(fsdp.accumulation_key))
+                accumulated_bytes.append(fsdp.accumulators.pending_bytes())
         err = 0.0
         for spec in fsdp.sharding.owners():
             if spec.requires_grad:
@@ -300,6 +297,6 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
         ),
         "accumulated_bytes": accumulated_bytes,
         "predicted_accumulator_bytes": explain(jm).memory.accumulator_bytes,
-        "left_pending": pending_bytes(fsdp.accumulation_key),
+        "left_pending": fsdp.accumulators.pending_bytes(),
         "compiles": thunder.cache_misses(jm),
     }

@@ -10,6 +10,7 @@ from fsdp_pass import FSDPError, explain
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.predicates import is_all_gather
 from fsdp_pass.report.step_stats import step_stats
+from fsdp_pass.op_names import ALL_GATHER
 from tests import explain_cases, rank_cases
 from tests.dry_runs import model_dry_run
 from tests.test_parity import _check
@@ -37,7 +38,7 @@ def test_checkpointing_adds_no_collective(plain_and_checkpointed):
     ]
     # at most one gather per unit in the backward: the recomputation reads the gather the gradients need
     assert all(len(u.backward_gathers) <= 1 for u in ckpt.explanation.units)
-    assert sum(1 for b in ckpt.backward.bound_symbols if is_all_gather(b)) == stats[0].count("all_gather", "backward")
+    assert sum(1 for b in ckpt.backward.bound_symbols if is_all_gather(b)) == stats[0].count(ALL_GATHER, "backward")
 
 
 def test_checkpointing_recomputes_instead_of_saving(plain_and_checkpointed):

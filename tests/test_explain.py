@@ -40,7 +40,7 @@ def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
     """Every measured step's tensors peak where the traces say, to within 1 % (a few bytes, in practice).
 
     gloo's worker thread sometimes frees a collective's buffers where the profiler does not see it;
-    ``allocated_during`` puts those frees at the collective's wait (see fsdp_pass/measure.py). Before it
+    ``allocated_during`` puts those frees at the collective's wait (see fsdp_pass/report/measure.py). Before it
     did, one step in five measured a send buffer or two too many.
     """
     _, measured, dry = measured_and_dry

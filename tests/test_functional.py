@@ -1,7 +1,10 @@
 """The step-by-step path the notebooks use: one process, fake group, any world size."""
 
+import re
+
 import pytest
 import thunder
+import torch
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, fake_process_group
@@ -17,7 +20,7 @@ def test_functional_steps_shard_gather_and_reduce(world_size):
     prologue, trace = functional_trace(model, x)
     with fake_process_group(world_size) as group:
         sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model)
-        forward, backward = derive_backward_and_lower(sharded)
+        forward, backward = derive_backward_and_lower(sharded, plan)
     rows = {"fc1.weight": (32, 16), "fc1.bias": (32, 1), "fc2.weight": (16, 32), "fc2.bias": (16, 1),
             "head.weight": (4, 16), "head.bias": (4, 1)}
     shard = {n: -(-r // world_size) * c for n, (r, c) in rows.items()}
@@ -47,8 +50,36 @@ def test_functional_forward_saves_what_thunder_jit_saves():
     x, _ = models.batch("mlp", 2, 0)
     prologue, trace = functional_trace(models.MLP(), x)
     with fake_process_group(4) as group:
-        sharded, _ = shard_functional_trace(prologue, trace, group, "zero3", model=models.MLP())
-        forward, _ = derive_backward_and_lower(sharded)
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=models.MLP())
+        forward, _ = derive_backward_and_lower(sharded, plan)
         jm = thunder.jit(models.MLP(), transforms=[FSDP("zero3")], executors=executors_for("cpu"))
         jm(x).sum().backward()
     assert _saved_for_backward(forward) == _saved_for_backward(thunder.last_traces(jm)[-1])
+
+
+def _canonical(trace) -> str:
+    """The printed trace with proxy numbers (t12, ft13) and context-object numbers (ProcessGroup_2) replaced by
+    their order of first appearance: two compiles number their proxies from different counters."""
+    seen: dict[str, str] = {}
+    text = re.sub(r"\b(f?t)\d+\b", lambda m: seen.setdefault(m.group(0), f"{m.group(1)}#{len(seen)}"), str(trace))
+    return re.sub(r"\b(_[A-Za-z][A-Za-z0-9_]*?)_\d+\b", r"\1", text)
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [("zero3", {}), ("zero2", {"mixed_precision": torch.bfloat16, "checkpoint_activations": True})],
+    ids=["zero3", "zero2-bf16-checkpointed"],
+)
+def test_the_functional_path_writes_the_traces_the_transform_writes(strategy, options):
+    """Both run fsdp_pass.pipeline: the same stages in the same order, so the same final traces."""
+    x, _ = models.batch("mlp", 2, 0)
+    prologue, trace = functional_trace(models.MLP(), x)
+    with fake_process_group(4) as group:
+        sharded, plan = shard_functional_trace(prologue, trace, group, strategy, model=models.MLP(), **options)
+        forward, backward = derive_backward_and_lower(sharded, plan)
+        jm = thunder.jit(models.MLP(), transforms=[FSDP(strategy, **options)], executors=executors_for("cpu"))
+        jm(x).sum().backward()
+    assert "[fsdp] unit 'fc1' all-gather" in str(forward)  # labelled, scheduled, checked: the whole pipeline
+    assert _canonical(forward) == _canonical(thunder.last_traces(jm)[-1])
+    assert _canonical(backward) == _canonical(thunder.last_backward_traces(jm)[-1])
+    assert [u.name for u in plan.units] == [u.name for u in jm._lc_transforms[0].unit_plan.units]

@@ -13,6 +13,7 @@ from fsdp_pass import FSDPError, MixedPrecision
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.predicates import is_all_gather, is_conversion, is_division, is_reduce_scatter, is_wait
 from fsdp_pass.report.step_stats import step_stats
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from tests import explain_cases, models, rank_cases
 from tests.dry_runs import model_dry_run
 
@@ -36,9 +37,9 @@ def _bytes(run, kind):
 
 
 def test_gathers_move_half_the_bytes(runs):
-    assert _bytes(runs["bf16"], "all_gather") * 2 == _bytes(runs["fp32"], "all_gather")
-    assert _bytes(runs["bf16"], "reduce_scatter") == _bytes(runs["fp32"], "reduce_scatter")  # float32 reduce
-    assert _bytes(runs["bf16_reduce"], "reduce_scatter") * 2 == _bytes(runs["fp32"], "reduce_scatter")
+    assert _bytes(runs["bf16"], ALL_GATHER) * 2 == _bytes(runs["fp32"], ALL_GATHER)
+    assert _bytes(runs["bf16"], REDUCE_SCATTER) == _bytes(runs["fp32"], REDUCE_SCATTER)  # float32 reduce
+    assert _bytes(runs["bf16_reduce"], REDUCE_SCATTER) * 2 == _bytes(runs["fp32"], REDUCE_SCATTER)
     fp32, bf16 = runs["fp32"].explanation, runs["bf16_reduce"].explanation
     assert bf16.bytes_per_rank * 2 == pytest.approx(fp32.bytes_per_rank)
 

@@ -31,6 +31,7 @@ from fsdp_pass.predicates import (
 from fsdp_pass.report.step_stats import step_stats
 from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
 from fsdp_pass.verify.same_collectives_on_all_ranks import collective_sequence
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from tests.llama_steps import LAYERS, WORLD, compile_step, shared_step
 
 
@@ -146,8 +147,8 @@ def test_zero2_gathers_every_kept_unit_at_the_top(compiled):
 def test_backward_gathers_run_in_reverse_unit_order(compiled):
     fsdp = compiled["default"][2]
     rows = fsdp.overlap_report().rows
-    forward = [r.unit for r in rows if r.phase == "forward" and r.kind == "all-gather"]
-    backward = [r.unit for r in rows if r.phase == "backward" and r.kind == "all-gather"]
+    forward = [r.unit for r in rows if r.phase == "forward" and r.kind == ALL_GATHER]
+    backward = [r.unit for r in rows if r.phase == "backward" and r.kind == ALL_GATHER]
     assert forward == ["embed", "layers.0", "layers.1", "layers.2", "norm+lm_head"]
     # zero3: the last unit stays gathered, the embedding's backward needs no weights
     assert backward == ["layers.2", "layers.1", "layers.0"]
@@ -167,14 +168,14 @@ def test_reduce_scatters_issued_as_soon_as_their_input_exists(compiled):
 
 def test_only_the_first_gather_and_the_last_reduce_scatter_are_exposed(compiled):
     exposed = [(r.phase, r.kind, r.unit) for r in compiled["default"][2].overlap_report().exposed()]
-    assert exposed == [("forward", "all-gather", "embed"), ("backward", "reduce-scatter", "embed")]
+    assert exposed == [("forward", ALL_GATHER, "embed"), ("backward", REDUCE_SCATTER, "embed")]
     report = str(compiled["default"][2].overlap_report())
     assert "EXPOSED" in report and "matmul" in report and "2 exposed" in report
 
 
 def test_prefetch_zero_leaves_every_gather_exposed(compiled):
     rows = compiled["prefetch0"][2].overlap_report().rows
-    assert all(r.exposed for r in rows if r.kind == "all-gather")
+    assert all(r.exposed for r in rows if r.kind == ALL_GATHER)
 
 
 def test_deeper_prefetch_and_the_byte_bound(compiled):
@@ -262,7 +263,7 @@ def test_executor_keeps_buffers_alive_until_the_wait():
     out = torch.empty(12)
     alive = weakref.ref(send)
     comm.WAIT_CLOCK.reset(record=True)
-    flight = comm._issue(lambda o, i: _LateWork(), out, send, "all_gather")
+    flight = comm._issue(lambda o, i: _LateWork(), out, send, ALL_GATHER)
     del send
     gc.collect()
     assert alive() is not None, "the send buffer was freed while its collective is in flight"
@@ -272,7 +273,7 @@ def test_executor_keeps_buffers_alive_until_the_wait():
     assert alive() is None, "the send buffer outlived its collective's wait"
     # the timeline: one event, issued before its wait started, 12 gathered elements
     (event,) = comm.WAIT_CLOCK.events
-    assert (event.kind, event.numel) == ("all_gather", 12)
+    assert (event.kind, event.numel) == (ALL_GATHER, 12)
     assert event.issued <= event.wait_started <= event.wait_ended
     comm.WAIT_CLOCK.reset()
 
@@ -286,7 +287,7 @@ def test_schedule_settings_are_checked():
         Schedule(reduce_scatters_in_flight=0)
     with pytest.raises(FSDPError, match="not a schedule"):
         FSDP("zero3", schedule="fast")
-    assert FSDP("zero3", schedule=2).schedule == Schedule(prefetch=2)
+    assert FSDP("zero3", schedule=2).options.schedule == Schedule(prefetch=2)
 
 
 def test_the_printed_trace_names_the_executor_of_each_collective(compiled):

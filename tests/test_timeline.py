@@ -18,9 +18,12 @@ import torch
 from fsdp_pass_executors import collectives as comm
 
 from fsdp_pass import Schedule
+from fsdp_pass.compiled_step import CompiledStep
+from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.report import timeline
 from fsdp_pass.report.overlap import OverlapReport
 from fsdp_pass.report.timeline import StepTimeline, TimedCollective
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 
 NAN = float("nan")
 
@@ -54,7 +57,7 @@ def test_completion_is_stamped_when_the_work_finishes_and_buffers_live_as_before
     alive = weakref.ref(send)
     comm.WAIT_CLOCK.reset(record=True)
     try:
-        flight = comm._issue(lambda o, i: work, torch.empty(12), send, "all_gather")
+        flight = comm._issue(lambda o, i: work, torch.empty(12), send, ALL_GATHER)
         del send
         gc.collect()
         assert alive() is not None, "the send buffer was freed while its collective is in flight"
@@ -76,7 +79,7 @@ def test_completion_is_stamped_when_the_work_finishes_and_buffers_live_as_before
 def test_completion_is_nan_when_the_work_cannot_say(work):
     comm.WAIT_CLOCK.reset(record=True)
     try:
-        comm._wait_impl(comm._issue(lambda o, i: work, torch.empty(4), torch.ones(2), "reduce_scatter"))
+        comm._wait_impl(comm._issue(lambda o, i: work, torch.empty(4), torch.ones(2), REDUCE_SCATTER))
         (event,) = comm.WAIT_CLOCK.events
     finally:
         comm.WAIT_CLOCK.reset()
@@ -86,7 +89,7 @@ def test_completion_is_nan_when_the_work_cannot_say(work):
 def test_nothing_is_attached_to_a_collective_when_not_recording():
     comm.WAIT_CLOCK.reset()
     work = _FutureWork()
-    flight = comm._issue(lambda o, i: work, torch.empty(4), torch.ones(2), "all_gather")
+    flight = comm._issue(lambda o, i: work, torch.empty(4), torch.ones(2), ALL_GATHER)
     assert flight.completion is None
     comm._wait_impl(flight)
     assert comm.WAIT_CLOCK.events is None and comm.WAIT_CLOCK.waits == 1
@@ -99,9 +102,9 @@ def _collective(phase, kind, unit, issued, completed, wait_started, wait_ended):
 
 def _timeline(label="prefetch", end_ms=10.0):
     collectives = (
-        _collective("forward", "all_gather", "a", 1.0, 2.0, 3.0, 3.5),
-        _collective("forward", "all_gather", "b", 1.5, 4.0, 4.5, 5.0),
-        _collective("backward", "reduce_scatter", "a", 6.0, NAN, 8.0, 9.0),
+        _collective("forward", ALL_GATHER, "a", 1.0, 2.0, 3.0, 3.5),
+        _collective("forward", ALL_GATHER, "b", 1.5, 4.0, 4.5, 5.0),
+        _collective("backward", REDUCE_SCATTER, "a", 6.0, NAN, 8.0, 9.0),
     )
     return StepTimeline(label, 0, 2, "zero3", 5.5 / 1e3, end_ms / 1e3, collectives, OverlapReport(()))
 
@@ -134,9 +137,9 @@ def test_tables_compare_steps_side_by_side():
     partial = StepTimeline("no backward", 0, 2, "zero3", 0.0055, 0.01, fast.collectives[:2], OverlapReport(()))
     rows = timeline.blocked_by_collective([fast, partial]).splitlines()[2:]
     assert [r.split()[:3] for r in rows] == [
-        ["forward", "all_gather", "a"],
-        ["forward", "all_gather", "b"],
-        ["backward", "reduce_scatter", "a"],
+        ["forward", ALL_GATHER, "a"],
+        ["forward", ALL_GATHER, "b"],
+        ["backward", REDUCE_SCATTER, "a"],
     ]
     assert rows[0].split()[3:] == ["0.50", "ms", "0.50", "ms"] and rows[2].split()[3:] == ["1.00", "ms", "-"]
 
@@ -157,18 +160,18 @@ def test_drawing_shows_every_collective_on_one_time_axis():
 
 def test_recorded_events_must_match_the_traces():
     empty = SimpleNamespace(bound_symbols=[])
-    fsdp = SimpleNamespace(_final_traces={"forward": empty, "backward": empty}, _unit_of_collective={})
-    event = comm.CollectiveEvent("all_gather", 4, 1.0, 2.0, 3.0, 1.5)
+    step = CompiledStep(plan=None, options=FSDPOptions(), forward=empty, backward=empty)
+    event = comm.CollectiveEvent(ALL_GATHER, 4, 1.0, 2.0, 3.0, 1.5)
     with pytest.raises(RuntimeError, match="the step issued"):
-        timeline.name_events([event], fsdp, 0.0)
+        timeline.name_events([event], step, 0.0)
 
 
 # --------------------------------------------------------------------------- a real step, 2 gloo ranks
 EXPECTED = [  # TinyLM, 2 layers, ZeRO-3: every unit gathered in the forward; the blocks again in the backward
-    ("forward", "all_gather", "embed+pos"),
-    ("forward", "all_gather", "layers.0"),
-    ("forward", "all_gather", "layers.1"),
-    ("forward", "all_gather", "norm+head"),
+    ("forward", ALL_GATHER, "embed+pos"),
+    ("forward", ALL_GATHER, "layers.0"),
+    ("forward", ALL_GATHER, "layers.1"),
+    ("forward", ALL_GATHER, "norm+head"),
 ]
 
 
@@ -181,16 +184,16 @@ def test_a_recorded_step_names_every_collective_of_the_final_traces(ranks):
         assert got[:4] == EXPECTED
         backward = sorted(got[4:])
         assert backward == sorted(
-            [("backward", "all_gather", u) for u in ("layers.1", "layers.0")]
-            + [("backward", "reduce_scatter", u) for u in ("norm+head", "layers.1", "layers.0", "embed+pos")]
+            [("backward", ALL_GATHER, u) for u in ("layers.1", "layers.0")]
+            + [("backward", REDUCE_SCATTER, u) for u in ("norm+head", "layers.1", "layers.0", "embed+pos")]
         )
         # the static report reads the same traces: same collectives, same order
-        assert [(r.phase, r.kind, r.unit) for r in t.overlap.rows] == [(p, k.replace("_", "-"), u) for p, k, u in got]
+        assert [(r.phase, r.kind, r.unit) for r in t.overlap.rows] == got
         assert [c.numel for c in t.collectives[:4]] == [6144, 41088, 41088, 4160]
         for c in t.collectives:
             assert 0 <= c.issued <= c.wait_started <= c.wait_ended <= t.end
             in_phase = c.wait_ended <= t.backward_start if c.phase == "forward" else c.issued >= t.backward_start
             assert in_phase, c
-            if c.kind == "all_gather":  # gloo's all-gather work has a future; its reduce-scatter has none
+            if c.kind == ALL_GATHER:  # gloo's all-gather work has a future; its reduce-scatter has none
                 assert c.issued <= c.completed <= t.end
         assert t.blocked() == pytest.approx(sum(c.blocked for c in t.collectives))

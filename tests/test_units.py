@@ -13,6 +13,7 @@ from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
 from fsdp_pass.report.step_stats import floor_bytes, step_stats
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from tests import llama_steps, models
 from tests.llama_steps import LAYERS, WORLD, llama
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
@@ -65,7 +66,7 @@ def test_collective_counts_follow_the_unit_formula(compiled):
     counts = {}
     for config, (fwd, bwd, _) in compiled.items():
         s = step_stats(fwd, bwd, WORLD)
-        counts[config] = (s.count("all_gather", "forward"), s.count("all_gather", "backward"), s.count("reduce_scatter"))
+        counts[config] = (s.count(ALL_GATHER, "forward"), s.count(ALL_GATHER, "backward"), s.count(REDUCE_SCATTER))
     assert counts["zero2"] == (units, 0, units)
     # ZeRO-3 gathers a unit again only if the backward reads it: never the embedding (its backward needs
     # only the indices); by default not the last unit either, which stays gathered

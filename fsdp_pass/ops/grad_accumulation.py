@@ -1,21 +1,24 @@
-"""Gradient accumulation without reduce-scatters: :func:`no_sync` and the two ops its backward uses.
+"""Gradient accumulation without reduce-scatters: the state behind ``no_sync`` and the ops its backward uses.
 
-Inside ``with no_sync(jitted_model):`` each backward adds every unit's *unsharded* gradient (the flat,
-padded, rank-major buffer the reduce-scatter would have sent, in the reduce dtype) to a per-unit
-accumulator on this rank, and issues no collective: the shards get no gradient. The first backward
-after the block adds the accumulators to its own gradients, empties them and reduce-scatters once.
+Inside ``with fsdp_pass.no_sync(jitted_model):`` each backward adds every unit's *unsharded* gradient (the
+flat, padded, rank-major buffer the reduce-scatter would have sent, in the reduce dtype) to a per-unit
+accumulator on this rank, and issues no collective: the shards get no gradient. The first backward after
+the block adds the accumulators to its own gradients, empties them and reduce-scatters once.
 
-1. The step's *mode* is read when the forward runs: ``"accumulate"`` inside ``no_sync``, ``"flush"`` outside it
-   while accumulators hold gradients, else ``"reduce"``.
+1. Each ``FSDP`` transform owns one :class:`GradAccumulators`: whether a ``no_sync`` block is open, and the
+   running sums. The step's *mode* is read when the forward runs: ``"accumulate"`` inside ``no_sync``,
+   ``"flush"`` outside it while accumulators hold gradients, else ``"reduce"``.
 2. Each mode is its own compiled variant. The pass adds :data:`check_grad_sync` to the prologue, so
    Thunder's cache picks the variant compiled for the current mode and compiles a new one on a miss.
 3. The backward of the ``"accumulate"`` variant ends each unit with :data:`accumulate_unsharded_grads`; the
-   ``"flush"`` variant calls :data:`add_accumulated_grads` right before the reduce-scatter.
+   ``"flush"`` variant calls :data:`add_accumulated_grads` right before the reduce-scatter. Both take the
+   transform's accumulators and the unit's name.
 
 A guard against the silent mistake: ``optimizer.step()`` while gradients are still in the accumulators
 (inside the block, or after it but before a synchronized backward) would step on no gradient and fold
-these micro-batches into the next step. A global optimizer step pre-hook raises ``FSDPError`` instead,
-for any optimizer that holds parameters of a model with pending accumulators.
+these micro-batches into the next step. While an accumulator holds gradients, an optimizer step pre-hook
+raises ``FSDPError`` for any optimizer that holds parameters of this model; it is removed once they are
+flushed.
 
 Memory: while accumulating, each rank holds a full unsharded gradient of every trainable parameter (the
 padded parameter count times the reduce dtype's bytes), not 1/N of it. ``explain()`` states the figure.
@@ -24,7 +27,6 @@ The ops run on the ``fsdp_comm`` executor (:mod:`fsdp_pass_executors.accumulatio
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from contextlib import contextmanager
 
@@ -36,82 +38,95 @@ from fsdp_pass.errors import fail
 
 ACCUMULATE, FLUSH, REDUCE = "accumulate", "flush", "reduce"
 
-_syncing: dict[str, bool] = {}  # FSDP key -> False inside no_sync
-_pending: dict[str, dict[str, object]] = {}  # FSDP key -> accumulator key -> running sum (torch.Tensor)
-_parameters: dict[str, dict[int, weakref.ref]] = {}  # FSDP key -> id -> the model's (sharded) parameters
-_keys = itertools.count()
 
+class GradAccumulators:
+    """One FSDP transform's ``no_sync`` state: open blocks, and each unit's running sum of unsharded gradients."""
 
-def new_key() -> str:
-    """A key for one FSDP transform's accumulators."""
-    key = f"fsdp{next(_keys)}"
-    _syncing[key] = True
-    _pending[key] = {}
-    return key
+    def __init__(self):
+        self.open_blocks = 0  # no_sync blocks entered and not left (nested blocks keep accumulating)
+        self.pending: dict[str, object] = {}  # unit name -> running sum (torch.Tensor)
+        self._parameters: dict[int, weakref.ref] = {}  # id -> the model's (sharded) parameters
+        self._step_guard = None  # the optimizer step pre-hook's handle while gradients are pending
 
+    def __repr__(self) -> str:
+        return f"GradAccumulators(open_blocks={self.open_blocks}, units={sorted(self.pending)})"
 
-def mode_of(key: str) -> str:
-    if not _syncing[key]:
-        return ACCUMULATE
-    return FLUSH if _pending[key] else REDUCE
+    def mode(self) -> str:
+        if self.open_blocks:
+            return ACCUMULATE
+        return FLUSH if self.pending else REDUCE
 
+    def pending_bytes(self) -> int:
+        """Bytes held by the accumulators right now."""
+        return sum(t.numel() * t.element_size() for t in self.pending.values())
 
-def pending_bytes(key: str) -> int:
-    """Bytes held by the accumulators of one FSDP transform right now."""
-    return sum(t.numel() * t.element_size() for t in _pending[key].values())
+    @contextmanager
+    def accumulating(self, parameters):
+        """The body of ``no_sync``: backwards of forwards run inside accumulate instead of reducing."""
+        self._parameters = {id(p): weakref.ref(p) for p in parameters}
+        self.open_blocks += 1
+        try:
+            yield
+        finally:
+            self.open_blocks -= 1
 
+    def add(self, unit: str, flat) -> None:
+        """``accumulate_unsharded_grads``: add ``flat`` to the unit's running sum."""
+        if unit in self.pending:
+            self.pending[unit].add_(flat)
+        else:
+            self.pending[unit] = flat.clone()  # ours: later micro-batches add into it in place
+        if self._step_guard is None:
+            self._step_guard = register_optimizer_step_pre_hook(_step_guard_of(self))
 
-@contextmanager
-def no_sync(jitted):
-    """Accumulate gradients locally (no reduce-scatter) for the backwards of forwards run in this block.
+    def take(self, unit: str, flat):
+        """``add_accumulated_grads``: the unit's running sum plus ``flat``; the accumulator is emptied."""
+        if unit not in self.pending:
+            raise RuntimeError(
+                f"fsdp_pass: no gradients were accumulated for unit {unit!r}, but this step was compiled to flush "
+                "them. Run every micro-batch of an accumulation through the same model and forward signature."
+            )
+        total = self.pending.pop(unit).add_(flat)
+        if not self.pending and self._step_guard is not None:
+            self._step_guard.remove()
+            self._step_guard = None
+        return total
 
-    The first forward+backward after the block reduce-scatters the sum of everything accumulated.
-    """
-    from fsdp_pass.transform import fsdp_of
-
-    key = fsdp_of(jitted).accumulation_key
-    _parameters[key] = {id(p): weakref.ref(p) for p in jitted.parameters()}
-    outer, _syncing[key] = _syncing[key], False
-    try:
-        yield
-    finally:
-        _syncing[key] = outer  # nested blocks: the outer one still accumulates
-
-
-def _refuse_a_step_while_accumulating(optimizer, args, kwargs) -> None:
-    for key, params in _parameters.items():
-        if not _pending[key]:
-            continue
+    def refuse_a_step(self, optimizer) -> None:
+        """Raise if ``optimizer`` holds a parameter of this model while gradients are pending."""
+        if not self.pending:
+            return
+        params = self._parameters
         if any(id(p) in params and params[id(p)]() is p for group in optimizer.param_groups for p in group["params"]):
-            n = len(_pending[key])
             fail(
-                f"optimizer.step() while {n} unit(s) of this model still hold gradients accumulated under "
-                "no_sync(): the parameters have no gradient yet, and the step would silently skip these "
+                f"optimizer.step() while {len(self.pending)} unit(s) of this model still hold gradients accumulated "
+                "under no_sync(): the parameters have no gradient yet, and the step would silently skip these "
                 "micro-batches and add them to the next step.",
                 "Run the last micro-batch's forward and backward outside no_sync() (it reduce-scatters the "
                 "accumulated sum), then call optimizer.step().",
             )
 
 
-register_optimizer_step_pre_hook(_refuse_a_step_while_accumulating)
+def _step_guard_of(accumulators: GradAccumulators):
+    """An optimizer step pre-hook that asks ``accumulators`` (held weakly: the hook keeps nothing alive)."""
+    ref = weakref.ref(accumulators)
 
+    def guard(optimizer, args, kwargs) -> None:
+        owner = ref()
+        if owner is not None:
+            owner.refuse_a_step(optimizer)
 
-def accumulator_key(fsdp_key: str, unit_name: str) -> str:
-    return f"{fsdp_key}/{unit_name}"
-
-
-def _fsdp_key_of(accumulator: str) -> str:
-    return accumulator.split("/", 1)[0]
+    return guard
 
 
 # --- the ops (meta here; implementations in fsdp_pass_executors.accumulation) ---
 
 
-def _accumulate_meta(flat: TensorProxy, key: str) -> None:
+def _accumulate_meta(flat: TensorProxy, accumulators: GradAccumulators, unit: str) -> None:
     return None
 
 
-def _add_accumulated_meta(flat: TensorProxy, key: str) -> TensorProxy:
+def _add_accumulated_meta(flat: TensorProxy, accumulators: GradAccumulators, unit: str) -> TensorProxy:
     return TensorProxy(like=flat)
 
 
@@ -127,34 +142,24 @@ add_accumulated_grads = prims.make_prim(
 )
 
 
-def accumulate_impl(flat, key: str) -> None:
-    pending = _pending[_fsdp_key_of(key)]
-    if key in pending:
-        pending[key].add_(flat)
-    else:
-        pending[key] = flat.clone()  # ours: later micro-batches add into it in place
+def accumulate_impl(flat, accumulators: GradAccumulators, unit: str) -> None:
+    accumulators.add(unit, flat)
 
 
-def add_accumulated_impl(flat, key: str):
-    pending = _pending[_fsdp_key_of(key)]
-    if key not in pending:
-        raise RuntimeError(
-            f"fsdp_pass: no gradients were accumulated for {key!r}, but this step was compiled to flush them. "
-            "Run every micro-batch of an accumulation through the same model and forward signature."
-        )
-    return pending.pop(key).add_(flat)
+def add_accumulated_impl(flat, accumulators: GradAccumulators, unit: str):
+    return accumulators.take(unit, flat)
 
 
 # --- the prologue check that picks the compiled variant for the current mode ---
 
 
-def _check_grad_sync_meta(fsdp_key: str, expected: str) -> None:
+def _check_grad_sync_meta(accumulators: GradAccumulators, expected: str) -> None:
     return None
 
 
-def check_grad_sync_impl(fsdp_key: str, expected: str) -> None:
-    if mode_of(fsdp_key) != expected:
-        raise AssertionError(f"compiled for gradient sync mode {expected!r}, now {mode_of(fsdp_key)!r}")
+def check_grad_sync_impl(accumulators: GradAccumulators, expected: str) -> None:
+    if accumulators.mode() != expected:
+        raise AssertionError(f"compiled for gradient sync mode {expected!r}, now {accumulators.mode()!r}")
 
 
 check_grad_sync = prims.make_prim(
@@ -166,6 +171,8 @@ check_grad_sync = prims.make_prim(
 )
 
 
-def grad_sync_check(fsdp_key: str, mode: str):
-    """The prologue line ``check_grad_sync(fsdp_key, mode)``, runnable from the printed prologue."""
-    return check_grad_sync.bind(fsdp_key, mode, output=None, _call_ctx={"check_grad_sync": check_grad_sync_impl})
+def grad_sync_check(accumulators: GradAccumulators, mode: str):
+    """The prologue line ``check_grad_sync(accumulators, mode)``, runnable from the printed prologue."""
+    return check_grad_sync.bind(
+        accumulators, mode, output=None, _call_ctx={"check_grad_sync": check_grad_sync_impl}
+    )

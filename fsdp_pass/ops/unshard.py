@@ -10,9 +10,10 @@ Forward (what the symbol decomposes into, readable in the printed trace):
 Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thunder derives it):
   1. each trainable parameter's full gradient padded with zero rows and laid out rank-major;
   2. one flat buffer, cast to ``reduce_dtype`` if set;
-  3. ``grad_sync=("accumulate", key)`` (inside :func:`fsdp_pass.no_sync`): the buffer is added to the
-     unit's unsharded accumulator and the step ends there, with no collective; ``("flush", key)`` (the
-     first step after accumulating): the accumulator is added to the buffer and emptied;
+  3. ``grad_sync=("accumulate", accumulators)`` (inside :func:`fsdp_pass.no_sync`): the buffer is added
+     to the unit's unsharded accumulator and the step ends there, with no collective;
+     ``("flush", accumulators)`` (the first step after accumulating): the accumulator is added to the
+     buffer and emptied;
   4. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the sum of its own shard's part;
   5. divided by the world size: the mean over ranks, computed on the shard (1/N of the buffer). Only
      in float16 is the full buffer divided *before* the reduce-scatter: a sum of N float16 gradients
@@ -33,57 +34,10 @@ from thunder.core.symbol import Symbol, bsym_header
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
 
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER, UNSHARD_UNIT
+from fsdp_pass.ops.flat_buffers import cut_flat, cut_rank_major, flat_rank_major, layouts_of, pack_flat
 from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
-from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.text import collective_label
-
-
-def _layouts(full_shapes, world_size):
-    return [ShardLayout(tuple(s), world_size) for s in full_shapes]
-
-
-def _flat_rank_major(tensors, layouts, world_size):
-    """Lay padded row-major tensors out as one flat buffer: all of rank 0's rows, then rank 1's..."""
-    if len(tensors) == 1:
-        return ltorch.reshape(tensors[0], (-1,))
-    columns = [ltorch.reshape(t, (world_size, lay.shard_numel)) for t, lay in zip(tensors, layouts)]
-    return ltorch.reshape(ltorch.cat(columns, 1), (-1,))
-
-
-def _drop_padding(padded, lay: ShardLayout):
-    """A parameter's ``padded_rows`` rows (a flat buffer or a column of one) -> the parameter."""
-    padded = ltorch.reshape(padded, (lay.padded_rows, *lay.shape[1:]))
-    full = padded if lay.padding_rows == 0 else ltorch.getitem(padded, slice(0, lay.rows))
-    return full if lay.shape else ltorch.reshape(full, ())
-
-
-def _cut_rank_major(flat, layouts, world_size):
-    """Inverse of :func:`_flat_rank_major` followed by dropping the padding rows."""
-    if len(layouts) == 1:
-        return [_drop_padding(flat, layouts[0])]
-    matrix = ltorch.reshape(flat, (world_size, sum(lay.shard_numel for lay in layouts)))
-    out, offset = [], 0
-    for lay in layouts:
-        out.append(_drop_padding(ltorch.getitem(matrix, (slice(None), slice(offset, offset + lay.shard_numel))), lay))
-        offset += lay.shard_numel
-    return out
-
-
-def _pack_flat(shards):
-    """This rank's shards, flattened and concatenated: the buffer its all-gather sends."""
-    flat = [ltorch.reshape(s, (-1,)) for s in shards]
-    return flat[0] if len(flat) == 1 else ltorch.cat(flat, 0)
-
-
-def _cut_flat(flat, layouts):
-    """Split one rank's flat buffer into its shards (no padding to drop: shards keep theirs)."""
-    if len(layouts) == 1:
-        return [ltorch.reshape(flat, layouts[0].shard_shape)]
-    out, offset = [], 0
-    for lay in layouts:
-        out.append(ltorch.reshape(ltorch.getitem(flat, slice(offset, offset + lay.shard_numel)), lay.shard_shape))
-        offset += lay.shard_numel
-    return out
 
 
 def _describe(unit_name, kind, layouts, itemsize, world_size):
@@ -94,17 +48,17 @@ def _describe(unit_name, kind, layouts, itemsize, world_size):
 
 def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None):
     world_size = group.size()
-    layouts = _layouts(full_shapes, world_size)
-    flat = _pack_flat(shards)
+    layouts = layouts_of(full_shapes, world_size)
+    flat = pack_flat(shards)
     if compute_device is not None:
         with bsym_header(f"[fsdp] unit {unit_name!r}: copy the shards from {flat.device} to {compute_device}"):
             flat = ltorch.to(flat, compute_device, copy=True)
     if param_dtype is not None and param_dtype != flat.dtype:
         with bsym_header(f"[fsdp] unit {unit_name!r}: cast the shards to {param_dtype} before the gather"):
             flat = ltorch.to(flat, param_dtype)
-    with bsym_header(_describe(unit_name, "all-gather", layouts, flat.dtype.bytes, world_size)):
+    with bsym_header(_describe(unit_name, ALL_GATHER, layouts, flat.dtype.bytes, world_size)):
         gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
-    return _cut_rank_major(gathered, layouts, world_size)
+    return cut_rank_major(gathered, layouts, world_size)
 
 
 def unshard_unit_meta(
@@ -116,7 +70,7 @@ def unshard_unit_meta(
 unshard_unit = Symbol(
     name="unshard_unit",
     meta=unshard_unit_meta,
-    id="fsdp_pass.unshard_unit",
+    id=UNSHARD_UNIT,
     is_prim=False,
 )
 
@@ -132,7 +86,7 @@ def _flat_grads(grads, layouts, world_size, reduce_dtype):
         if lay.padding_rows:
             rows = ltorch.pad(rows, (0, 0, 0, lay.padding_rows))
         padded.append(rows)
-    flat = _flat_rank_major(padded, layouts, world_size)
+    flat = flat_rank_major(padded, layouts, world_size)
     if reduce_dtype is not None and flat.dtype != reduce_dtype:
         flat = ltorch.to(flat, reduce_dtype)  # packed first: the cast copies once, from the smaller dtype
     return flat
@@ -142,25 +96,26 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype
     """Average full gradients over ranks and give each rank its shard's part (one reduce-scatter, then
     a division of that part by the world size; in float16 the division comes first).
 
-    ``grad_sync``: None (reduce now), or ``(mode, key)`` with mode ``"accumulate"`` (add to the
-    accumulator ``key`` and return None: no collective) or ``"flush"`` (add the accumulator, empty it,
-    then reduce).
+    ``grad_sync``: None (reduce now), or ``(mode, accumulators)`` with mode ``"accumulate"`` (add to the
+    unit's accumulator and return None: no collective) or ``"flush"`` (add the unit's accumulator, empty
+    it, then reduce); ``accumulators``: the transform's
+    :class:`~fsdp_pass.ops.grad_accumulation.GradAccumulators`.
     """
     world_size = group.size()
-    layouts = _layouts(full_shapes, world_size)
+    layouts = layouts_of(full_shapes, world_size)
     flat = _flat_grads(grads, layouts, world_size, reduce_dtype)
     if grad_sync is not None:
-        mode, key = grad_sync
+        mode, accumulators = grad_sync
         if mode == ACCUMULATE:
-            with bsym_header(f"[fsdp] unit {unit_name!r}: no_sync: add the unsharded gradients to {key!r}"):
-                accumulate_unsharded_grads(flat, key)
+            with bsym_header(f"[fsdp] unit {unit_name!r}: no_sync: add the unsharded gradients to its accumulator"):
+                accumulate_unsharded_grads(flat, accumulators, unit_name)
             return None
-        with bsym_header(f"[fsdp] unit {unit_name!r}: add the gradients accumulated in {key!r} (and empty it)"):
-            flat = add_accumulated_grads(flat, key)
+        with bsym_header(f"[fsdp] unit {unit_name!r}: add the gradients accumulated under no_sync (and empty them)"):
+            flat = add_accumulated_grads(flat, accumulators, unit_name)
     divide_first = flat.dtype in _OVERFLOWING_SUMS
     if divide_first:  # a sum of averages stays in range
         flat = ltorch.true_divide(flat, world_size)
-    with bsym_header(_describe(unit_name, "reduce-scatter grads", layouts, flat.dtype.bytes, world_size)):
+    with bsym_header(_describe(unit_name, REDUCE_SCATTER, layouts, flat.dtype.bytes, world_size)):
         local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
     return local if divide_first else ltorch.true_divide(local, world_size)
 
@@ -201,7 +156,7 @@ def _unshard_unit_grad(
     if compute_device is not None:
         with bsym_header(f"[fsdp] unit {unit_name!r}: copy the shard gradients back to {home.device}"):
             local = ltorch.to(local, home.device, copy=True)
-    for i, g in zip(trainable, _cut_flat(local, _layouts(shapes, group.size()))):
+    for i, g in zip(trainable, cut_flat(local, layouts_of(shapes, group.size()))):
         put_grad(shards[i], g)
     return fulls
 

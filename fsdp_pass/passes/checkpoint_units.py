@@ -1,7 +1,7 @@
 """Pass: activation checkpointing per FSDP unit, recomputed from the gather the backward does anyway.
 
-``checkpoint_units(trace, unit_names) -> trace`` runs on the forward trace after
-:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`:
+``checkpoint_units(trace, plan) -> trace`` (for the plan's units marked ``checkpointed``) runs on the
+forward trace after :func:`~fsdp_pass.passes.insert_unshards.insert_unshards`:
 
 1. A unit's *region* runs from its ``unshard_unit`` to the last op that reads one of the parameters it
    gathers (for a decoder layer: the layer's compute).
@@ -21,6 +21,7 @@ from thunder.core import utils
 from thunder.core.symbol import BoundSymbolTag
 from thunder.core.trace import TraceProvenance, from_trace
 
+from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import is_bookkeeping, is_unshard_unit
 
 
@@ -31,8 +32,8 @@ def _reader_positions(trace):
     return lambda bsym: [position[id(c)] for out in bsym.flat_proxy_outs for c in consumers.get(out, [])]
 
 
-def checkpoint_units(trace, unit_names) -> object:
-    unit_names = frozenset(unit_names)
+def checkpoint_units(trace, plan: UnitPlan) -> object:
+    unit_names = frozenset(plan.checkpointed)
     if not unit_names:
         return trace
     bsyms = trace.bound_symbols

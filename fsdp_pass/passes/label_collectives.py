@@ -17,9 +17,11 @@ from thunder.core import utils
 from thunder.core.proxies import Proxy
 from thunder.core.trace import TraceProvenance, from_trace
 
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER, CollectiveKind
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.text import collective_label
 from fsdp_pass.predicates import (
+    collective_kind,
     is_all_gather,
     is_conversion,
     is_division,
@@ -32,7 +34,7 @@ from fsdp_pass.predicates import (
 )
 
 
-def _label(plan: UnitPlan, unit, kind: str, itemsize: int) -> str:
+def _label(plan: UnitPlan, unit, kind: CollectiveKind, itemsize: int) -> str:
     _, shard_numel, padding = plan.unit_numel(unit)
     shard_bytes = shard_numel * itemsize
     return collective_label(unit.name, kind, len(unit.params), shard_bytes, plan.sharding.world_size, padding)
@@ -55,7 +57,7 @@ def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
                     f"{plan.sharding.world_size} before the reduce-scatter sums them (float16's range)"
                 )
             else:
-                headers[id(op)] = _conversion_header(op, unit, f"{what}s", "before the " + _kind_of(bsym))
+                headers[id(op)] = _conversion_header(op, unit, f"{what}s", f"before the {collective_kind(bsym)}")
             op = producers.get(op.flat_proxy_args[0], None)
         if op is not None and is_packing(op):
             n = len(unit.params)
@@ -65,10 +67,6 @@ def _packing_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
                 else f"[fsdp] unit {unit.name!r}: flatten the {what}"
             )
     return headers
-
-
-def _kind_of(bsym) -> str:
-    return "reduce-scatter" if is_reduce_scatter(bsym) else "all-gather"
 
 
 def _dtype(proxy) -> str:
@@ -82,7 +80,7 @@ def _conversion_header(op, unit, what: str, when: str) -> str:
     return f"[fsdp] unit {unit.name!r}: copy the {what} from {a.device.device_str()} to {out.device.device_str()} {when}"
 
 
-def _waits(trace, found: dict, kind: str):
+def _waits(trace, found: dict, kind: CollectiveKind):
     """(wait, unit) for each wait of a collective of ``kind`` in ``found``."""
     for bsym in trace.bound_symbols:
         if is_wait(bsym) and found.get(bsym.args[0].name, (None, ""))[1] == kind:
@@ -94,7 +92,7 @@ def _reduced_shard_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]
     back to the shards' dtype and device."""
     consumers = utils.consumers(trace)
     headers = {}
-    for bsym, unit in _waits(trace, found, "reduce-scatter grads"):
+    for bsym, unit in _waits(trace, found, REDUCE_SCATTER):
         frontier = [bsym.output]
         while frontier:
             readers = [c for c in consumers.get(frontier.pop(), []) if is_conversion(c) or is_division(c)]
@@ -113,7 +111,7 @@ def _unpacking_headers(trace, found: dict, plan: UnitPlan) -> dict[int, str]:
     """Headers for the ops that cut each parameter out of a gathered buffer: id(bsym) -> header."""
     consumers = utils.consumers(trace)
     headers = {}
-    for bsym, unit in _waits(trace, found, "all-gather"):
+    for bsym, unit in _waits(trace, found, ALL_GATHER):
         offsets, offset = {}, 0
         for name in unit.params:
             offsets[offset] = name

@@ -1,6 +1,6 @@
 """Which FSDP unit each collective of a final (lowered) trace gathers or reduces.
 
-``units_of_collectives(trace, plan, param_of_arg, arg_order) -> {collective output name: (Unit, kind)}``
+``units_of_collectives(trace, plan) -> {collective output name: (Unit, CollectiveKind)}``
 
 1. an all-gather's unit: walk its input back through producers to the parameter shards it packs;
 2. a reduce-scatter's unit: walk its result forward through consumers to the gradients the trace
@@ -12,6 +12,7 @@ from __future__ import annotations
 from thunder.core import utils
 from thunder.core.proxies import Proxy
 
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import is_all_gather, is_reduce_scatter, is_return
 
@@ -54,8 +55,10 @@ def _returned_positions(proxy, consumers, return_values) -> set[int]:
     return hits
 
 
-def units_of_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], arg_order: list[str]) -> dict:
-    """Output name of each collective in ``trace`` -> (its :class:`Unit`, kind), for the ones found."""
+def units_of_collectives(trace, plan: UnitPlan) -> dict:
+    """Output name of each collective in ``trace`` -> (its :class:`Unit`, its :class:`CollectiveKind`), for the
+    ones found."""
+    param_of_arg, arg_order = plan.param_of_arg, plan.arg_order
     unit_of_param = {p: u for u in plan.units for p in u.params}
     shards = set(param_of_arg)
     producers, consumers = utils.producers(trace), utils.consumers(trace)
@@ -68,12 +71,12 @@ def units_of_collectives(trace, plan: UnitPlan, param_of_arg: dict[str, str], ar
         if is_all_gather(bsym):
             params = [param_of_arg[n] for n in _roots(bsym.flat_proxy_args[0], producers, shards) if n in shards]
             units = [unit_of_param[p] for p in params if p in unit_of_param]
-            kind = "all-gather"
+            kind = ALL_GATHER
         elif is_reduce_scatter(bsym):
             hits = _returned_positions(bsym.output, consumers, returned)
             params = [param_of_arg.get(arg_order[i]) for i in hits if i < len(arg_order)]
             units = [unit_of_param[p] for p in params if p in unit_of_param]
-            kind = "reduce-scatter grads"
+            kind = REDUCE_SCATTER
         if units:
             found[bsym.output.name] = (units[0], kind)
     return found

@@ -7,18 +7,20 @@
    last one the forward gathers (the backward starts with it, so freeing it would only mean
    gathering it again at once); ``reshard_after_forward`` overrides this.
 5. Order units by first use; that is the order of their all-gathers.
+6. Mark the units whose activations are checkpointed (``checkpoint_activations``, asked per unit).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import replace
 
 from fsdp_pass.errors import check
 from fsdp_pass.plan.module_tree import ModuleTree
+from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.plan.unit_policies import PolicyInput, resolve_policy
+from fsdp_pass.plan.unit_policies import PolicyInput
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
@@ -55,36 +57,42 @@ def _reshard(units: list[Unit], strategy: Strategy, override, notes: list[str]) 
         check(callable(override), f"reshard_after_forward={override!r} is not a bool or a function of a unit.",
               "Pass None (the strategy decides), True, False, or a function Unit -> bool.")
         flags = [bool(override(u)) for u in units]
-    return [Unit(u.name, u.params, f, u.first_use, u.last_use) for u, f in zip(units, flags)]
+    return [replace(u, reshard_after_forward=f) for u, f in zip(units, flags)]
+
+
+def _policy_input(computation, param_of_arg: dict[str, str], sharding: ShardingPlan, tree: ModuleTree | None):
+    """What a unit policy sees: the tree, the parameters in order of first use, their uses and sizes."""
+    uses_of_arg = first_and_last_use(computation, set(param_of_arg))
+    uses = {param_of_arg[a]: u for a, u in uses_of_arg.items()}
+    order = tuple(sorted(uses, key=lambda p: uses[p][0]))
+    return PolicyInput(
+        tree=tree if tree is not None else ModuleTree.flat(p.name for p in sharding.params),
+        order=order,
+        first_use={p: uses[p][0] for p in order},
+        nbytes={p: sharding.param(p).layout.numel * sharding.param(p).itemsize for p in order},
+    ), uses
 
 
 def plan_units(
     computation,
-    arg_params: dict[str, str],
+    param_of_arg: dict[str, str],
     sharding: ShardingPlan,
-    policy="blocks",
+    options: FSDPOptions,
     tree: ModuleTree | None = None,
-    reshard_after_forward: bool | Callable[[Unit], bool] | None = None,
 ) -> UnitPlan:
-    """Group the parameters the forward trace reads into units, in order of first use."""
-    policy = resolve_policy(policy)
-    uses_of_arg = first_and_last_use(computation, set(arg_params))
-    uses = {arg_params[a]: u for a, u in uses_of_arg.items()}
-    order = tuple(sorted(uses, key=lambda p: uses[p][0]))
-    tree = tree if tree is not None else ModuleTree.flat(p.name for p in sharding.params)
-    inp = PolicyInput(
-        tree=tree,
-        order=order,
-        first_use={p: uses[p][0] for p in order},
-        nbytes={p: sharding.param(p).layout.numel * sharding.param(p).itemsize for p in order},
-    )
-    notes: list[str] = []
-    groups = policy.groups(inp)
+    """Group the parameters the forward trace reads into units, in order of first use.
 
+    ``param_of_arg``: the trace's parameter arguments (:func:`~fsdp_pass.plan.trace_arguments.parameter_names_of_args`);
+    ``tree``: the module tree the policy reads (without it every parameter hangs off the root).
+    """
+    policy = options.unit_policy
+    inp, uses = _policy_input(computation, param_of_arg, sharding, tree)
+    groups = policy.groups(inp)
     placed = [p for _, ps in groups for p in ps]
-    check(sorted(placed) == sorted(order),
+    check(sorted(placed) == sorted(inp.order),
           f"Unit policy {type(policy).__name__} did not place every used parameter exactly once.",
           "A custom policy's groups() must return each parameter of PolicyInput.order in one group.")
+    notes: list[str] = []
     unused = [s.name for s in sharding.params if s.name not in uses]
     if unused:
         notes.append(f"{len(unused)} parameter(s) not read by this forward, never gathered: {', '.join(unused[:4])}"
@@ -95,6 +103,12 @@ def plan_units(
         for name, params in _split_by_dtype(groups, sharding, notes)
     ]
     units.sort(key=lambda u: u.first_use)
-    units = _reshard(units, sharding.strategy, reshard_after_forward, notes)
-    return UnitPlan(sharding=sharding, units=tuple(units), policy=getattr(policy, "name", type(policy).__name__),
-                    notes=tuple(notes))
+    units = _reshard(units, sharding.strategy, options.reshard_after_forward, notes)
+    units = [replace(u, checkpointed=bool(options.checkpoint_activations(u))) for u in units]
+    return UnitPlan(
+        sharding=sharding,
+        units=tuple(units),
+        policy=getattr(policy, "name", type(policy).__name__),
+        notes=tuple(notes),
+        arguments=tuple((getattr(a, "name", None), param_of_arg.get(getattr(a, "name", None))) for a in computation.args),
+    )

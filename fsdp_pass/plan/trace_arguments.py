@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from thunder.core import utils
 
-from fsdp_pass.predicates import is_unpack_parameter
+from fsdp_pass.predicates import is_return, is_unpack_parameter, is_unpack_trivial
 
 
 def parameter_names_of_args(prologue, computation) -> dict[str, str]:
@@ -23,7 +23,7 @@ def first_and_last_use(computation, arg_names) -> dict[str, tuple[int, int]]:
     """For each argument in ``arg_names``: index of the first and last top-level op that reads it."""
     uses: dict[str, tuple[int, int]] = {}
     for i, bsym in enumerate(computation.bound_symbols):
-        if bsym.sym.name in ("unpack_trivial", "python_return"):
+        if is_unpack_trivial(bsym) or is_return(bsym):
             continue
         for p in bsym.flat_proxy_args:
             if p.name in arg_names:

@@ -20,6 +20,7 @@ class Unit:
     reshard_after_forward: bool  # ZeRO-3 for this unit: gather again in the backward
     first_use: int = -1  # index of the first forward op that reads one of the params
     last_use: int = -1
+    checkpointed: bool = False  # its activations are recomputed in the backward, not saved
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,23 @@ class UnitPlan:
     units: tuple[Unit, ...]
     policy: str = "per_parameter"
     notes: tuple[str, ...] = field(default=())
+    # the forward trace's arguments in order: (argument name, the parameter it is, or None)
+    arguments: tuple[tuple[str | None, str | None], ...] = ()
+
+    @property
+    def param_of_arg(self) -> dict[str, str]:
+        """Argument name -> parameter name, for the arguments that are parameters."""
+        return {arg: param for arg, param in self.arguments if param is not None}
+
+    @property
+    def arg_order(self) -> list[str | None]:
+        """The forward's argument names in order (position ``i`` of the backward's return is their gradient)."""
+        return [arg for arg, _ in self.arguments]
+
+    @property
+    def checkpointed(self) -> tuple[str, ...]:
+        """Names of the units whose activations are recomputed in the backward."""
+        return tuple(u.name for u in self.units if u.checkpointed)
 
     def unit_numel(self, unit: Unit) -> tuple[int, int, int]:
         """(unsharded numel, sharded numel per rank, padding numel) of ``unit``."""

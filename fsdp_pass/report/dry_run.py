@@ -7,7 +7,7 @@ without allocating the model.
 2. A fake process group of ``world_size`` stands in for the ranks (nothing is communicated).
 3. ``thunder.jit(module, transforms=[FSDP(..., device="meta")])`` compiles the step as rank 0 would,
    without running it: the same units, collectives, schedule and labels as a real run.
-4. :func:`fsdp_pass.report.explain.explain` reads the final traces: per-unit schedule, bytes, predicted memory.
+4. :func:`~fsdp_pass.report.explain.explain_step` reads the final traces: per-unit schedule, bytes, predicted memory.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from pathlib import Path
 
 import thunder
 import torch
+from fsdp_pass_executors import executors_for
 
 from fsdp_pass.errors import check
-from fsdp_pass.report.explain import Explanation
 from fsdp_pass.groups import fake_process_group
+from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.transform import FSDP
 
 
@@ -70,8 +71,6 @@ def dry_run(
     ``executors``: Thunder executors to lower with (default: this project's CPU list); ``fsdp_kwargs``
     go to :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
     """
-    from fsdp_pass_executors import executors_for
-
     check(
         isinstance(world_size, int) and world_size >= 1,
         f"world_size must be a positive int, got {world_size!r}.",
@@ -85,11 +84,5 @@ def dry_run(
         jm = thunder.jit(module, transforms=[fsdp], executors=executors)
         thunder.compile_data(jm).get_computation_and_inputs(*args)
     seconds = time.perf_counter() - t0
-    traces = fsdp._final_traces
-    return DryRun(
-        fsdp.explain(optimizer),
-        traces["forward"],
-        traces.get("backward"),
-        tuple(e.name for e in executors),
-        seconds,
-    )
+    step = fsdp.compiled_step
+    return DryRun(explain_step(step, optimizer), step.forward, step.backward, tuple(e.name for e in executors), seconds)

@@ -1,6 +1,7 @@
-"""``explain(...)``: what FSDP does to a model, unit by unit, and what it costs each rank per step.
+"""What FSDP does to a model, unit by unit, and what it costs each rank per step.
 
-``print(explain(jitted_model))`` after one training step (or a dry run) prints
+``explain_step(compiled_step) -> Explanation`` (what ``fsdp_pass.explain(jitted_model)`` returns after one
+training step, or a dry run) prints
 
 1. per unit: its parameters, numel, sharded and unsharded bytes, padding, whether it is resharded
    after forward, and for each of its collectives (forward all-gather, backward all-gather,
@@ -14,22 +15,24 @@
    accumulators :func:`fsdp_pass.no_sync` fills are listed apart;
 4. the options in force: mixed precision, offload, gradient accumulation, checkpointed units.
 
-``explain(plan)`` on a :class:`~fsdp_pass.plan.units.UnitPlan` alone prints the sizes and the floors: the
-schedule and the step's memory need the traces.
+``explain_plan(plan)`` on a :class:`~fsdp_pass.plan.units.UnitPlan` alone gives the sizes and the floors:
+the schedule and the step's memory need the traces.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.errors import check, fail
-from fsdp_pass.report.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
+from fsdp_pass.compiled_step import CompiledStep
+from fsdp_pass.errors import fail
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision
-from fsdp_pass.report.overlap import CollectiveOverlap, overlap_report
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.units import UnitPlan
-from fsdp_pass.text import format_table, human_bytes
+from fsdp_pass.report.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
+from fsdp_pass.report.overlap import CollectiveOverlap, step_overlap
 from fsdp_pass.report.step_stats import StepStats, floor_bytes, step_stats
+from fsdp_pass.text import format_table, human_bytes
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 
@@ -141,7 +144,10 @@ class Explanation:
         )
 
     def _totals(self) -> list[str]:
-        n, m = self.world_size, self.memory
+        return [*self._bytes_lines(), "Predicted memory per rank:", *self._state_lines(), *self._step_lines()]
+
+    def _bytes_lines(self) -> list[str]:
+        n = self.world_size
         lines = [f"Per rank and step (world size {n}, ring model: a collective of S bytes sends (N-1)/N*S):"]
         floor = self.floor_bytes_per_rank
         if self.stats is not None:
@@ -159,31 +165,39 @@ class Explanation:
                 f"  ZeRO-3 book   {human_bytes(int(self.textbook_bytes_per_rank)):>10}  (gathered again in "
                 "the backward; this pass skips units the backward does not read, and the last unit)"
             )
-        lines.append("Predicted memory per rank:")
+        return lines
+
+    def _state_lines(self) -> list[str]:
+        """What lives between steps: shards, optimizer state (and no_sync's accumulators)."""
+        m = self.memory
         where = f"  (on {m.offloaded_to})" if m.offloaded_to else ""
-        lines.append(f"  sharded parameters      {human_bytes(m.sharded_params):>10}{where}")
-        lines.append(
+        lines = [
+            f"  sharded parameters      {human_bytes(m.sharded_params):>10}{where}",
             f"  optimizer state         {human_bytes(m.optimizer_state):>10}  "
             f"({m.optimizer_states_per_element} state(s) per trainable element, e.g. Adam 2, SGD+momentum 1)"
-            + (f", on {m.offloaded_to}" if m.offloaded_to else "")
-        )
+            + (f", on {m.offloaded_to}" if m.offloaded_to else ""),
+        ]
         if m.accumulator_bytes:
             lines.append(
                 f"  no_sync accumulators    {human_bytes(m.accumulator_bytes):>10}  (unsharded gradients, held from "
                 "the first micro-batch in no_sync() to the step after it)"
             )
+        return lines
+
+    def _step_lines(self) -> list[str]:
+        """The step's peak, by kind, and the total."""
+        m = self.memory
         if m.step is None:
-            lines.append("  step peak               (needs the traces: explain a jitted model after one step)")
-            return lines
+            return ["  step peak               (needs the traces: explain a jitted model after one step)"]
         s = m.step
         kinds = s.peak_by_kind
-        lines.append(f"  step peak               {human_bytes(s.peak_bytes):>10}  (in the {s.peak_phase})")
-        lines.append(f"    gathered parameters   {human_bytes(kinds.get(GATHERED, 0)):>10}")
-        lines.append(f"    saved activations     {human_bytes(kinds.get(SAVED, 0)):>10}")
-        lines.append(
-            f"    other tensors         {human_bytes(kinds.get(OTHER, 0)):>10}  (activations, gradients, temporaries)"
-        )
-        lines.append(f"  peak                    {human_bytes(m.peak):>10}" + ("  on the device" if m.offloaded_to else ""))
+        lines = [
+            f"  step peak               {human_bytes(s.peak_bytes):>10}  (in the {s.peak_phase})",
+            f"    gathered parameters   {human_bytes(kinds.get(GATHERED, 0)):>10}",
+            f"    saved activations     {human_bytes(kinds.get(SAVED, 0)):>10}",
+            f"    other tensors         {human_bytes(kinds.get(OTHER, 0)):>10}  (activations, gradients, temporaries)",
+            f"  peak                    {human_bytes(m.peak):>10}" + ("  on the device" if m.offloaded_to else ""),
+        ]
         if m.offloaded_to:
             lines.append(
                 f"  on {m.offloaded_to:<20} {human_bytes(m.host):>10}  (shards, gradient shards, optimizer state)"
@@ -225,69 +239,61 @@ def _optimizer_states(optimizer) -> int:
     )
 
 
-def explain_traces(
-    plan: UnitPlan,
-    forward=None,
-    backward=None,
-    unit_of_collective: dict | None = None,
-    optimizer="adam",
-    checkpointed=(),
-    precision: MixedPrecision = FULL_PRECISION,
-    offload_to: str | None = None,
-) -> Explanation:
-    """The explanation of ``plan`` and, when given, the final forward / backward traces of a step.
-
-    ``checkpointed``: names of the units whose activations are recomputed in the backward;
-    ``precision`` and ``offload_to``: the transform's options of those names.
-    """
-    sharding = plan.sharding
-    owners = sharding.owners()
-    shard_bytes = sum(p.layout.shard_numel * p.itemsize for p in owners)
-    trainable_shard_bytes = sum(p.layout.shard_numel * p.itemsize for p in owners if p.requires_grad)
-    states = _optimizer_states(optimizer)
-
-    overlaps = overlap_report(forward, backward, unit_of_collective).rows if forward is not None else ()
+def _unit_rows(plan: UnitPlan, overlaps) -> tuple[UnitRow, ...]:
+    """One row per unit: its sizes, and its collectives in the final traces (``overlaps``)."""
     rows = []
     for u in plan.units:
         numel, shard_numel, pad = plan.unit_numel(u)
-        itemsize = plan.unit_itemsize(u)
+        shard_bytes = shard_numel * plan.unit_itemsize(u)
         mine = [c for c in overlaps if c.unit == u.name]
         rows.append(
             UnitRow(
                 u.name,
                 u.params,
                 numel,
-                shard_numel * itemsize,
-                shard_numel * itemsize * sharding.world_size,
+                shard_bytes,
+                shard_bytes * plan.sharding.world_size,
                 pad,
                 u.reshard_after_forward,
-                u.name in checkpointed,
-                tuple(c for c in mine if c.phase == "forward" and c.kind == "all-gather"),
-                tuple(c for c in mine if c.phase == "backward" and c.kind == "all-gather"),
-                tuple(c for c in mine if c.kind == "reduce-scatter"),
+                u.checkpointed,
+                tuple(c for c in mine if c.phase == "forward" and c.kind is ALL_GATHER),
+                tuple(c for c in mine if c.phase == "backward" and c.kind is ALL_GATHER),
+                tuple(c for c in mine if c.kind is REDUCE_SCATTER),
             )
         )
+    return tuple(rows)
+
+
+def _accumulator_bytes(plan: UnitPlan, precision: MixedPrecision) -> int:
+    """no_sync's unsharded gradients: per unit, as the backward packs them (a tied parameter in each unit
+    that reads it), in the reduce dtype."""
+    sharding = plan.sharding
     reduce = precision.reduce_dtype or precision.param_dtype
+    return sum(
+        spec.layout.shard_numel * sharding.world_size * (spec.itemsize if reduce is None else reduce.itemsize)
+        for u in plan.units
+        for spec in map(sharding.param, u.params)
+        if spec.requires_grad
+    )
 
-    def accumulator_itemsize(spec) -> int:
-        return spec.itemsize if reduce is None else reduce.itemsize
 
-    memory = MemoryPrediction(
-        sharded_params=shard_bytes,
+def _memory(plan: UnitPlan, step: CompiledStep | None, optimizer, precision, offload_to) -> MemoryPrediction:
+    owners = plan.sharding.owners()
+    trainable_shard_bytes = sum(p.layout.shard_numel * p.itemsize for p in owners if p.requires_grad)
+    states = _optimizer_states(optimizer)
+    return MemoryPrediction(
+        sharded_params=sum(p.layout.shard_numel * p.itemsize for p in owners),
         optimizer_state=states * trainable_shard_bytes,
         optimizer_states_per_element=states,
         gradient_shards=trainable_shard_bytes,
-        step=step_memory(forward, backward) if forward is not None else None,
-        offloaded_to=None if offload_to is None else str(offload_to),
-        accumulator_bytes=sum(  # per unit, as the backward packs them (a tied parameter in each unit that reads it)
-            sharding.param(n).layout.shard_numel * sharding.world_size * accumulator_itemsize(sharding.param(n))
-            for u in plan.units
-            for n in u.params
-            if sharding.param(n).requires_grad
-        ),
+        step=None if step is None else step_memory(step.forward, step.backward),
+        offloaded_to=offload_to,
+        accumulator_bytes=_accumulator_bytes(plan, precision),
     )
-    stats = step_stats(forward, backward, sharding.world_size) if forward is not None else None
-    param_bytes = sum(p.layout.numel * p.itemsize for p in owners)
+
+
+def _options(memory: MemoryPrediction, plan: UnitPlan, precision: MixedPrecision, offload_to) -> tuple[str, ...]:
+    """One line per option in force."""
     options = [f"mixed precision: {precision.describe()}"] if precision != FULL_PRECISION else []
     if offload_to is not None:
         options.append(
@@ -296,39 +302,39 @@ def explain_traces(
         )
     options.append(
         f"no_sync(): accumulating gradients holds {human_bytes(memory.accumulator_bytes)} of unsharded gradients "
-        f"per rank (vs {human_bytes(trainable_shard_bytes)} of gradient shards) and skips every reduce-scatter "
+        f"per rank (vs {human_bytes(memory.gradient_shards)} of gradient shards) and skips every reduce-scatter "
         "until the step after it"
     )
-    if checkpointed:
-        options.append(f"activation checkpointing: {len(checkpointed)} unit(s), recomputed from the backward's gather")
-    return Explanation(plan, tuple(rows), memory, stats, param_bytes, tuple(options))
+    if plan.checkpointed:
+        options.append(
+            f"activation checkpointing: {len(plan.checkpointed)} unit(s), recomputed from the backward's gather"
+        )
+    return tuple(options)
 
 
-def explain(target, *, optimizer="adam") -> Explanation:
-    """Explain a model jitted with :class:`~fsdp_pass.FSDP` (after its first step), an ``FSDP``
-    transform, or a :class:`~fsdp_pass.plan.units.UnitPlan`.
+def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision, offload_to) -> Explanation:
+    memory = _memory(plan, step, optimizer, precision, offload_to)
+    owners = plan.sharding.owners()
+    return Explanation(
+        plan,
+        _unit_rows(plan, step_overlap(step).rows if step is not None else ()),
+        memory,
+        step_stats(step.forward, step.backward, plan.sharding.world_size) if step is not None else None,
+        sum(p.layout.numel * p.itemsize for p in owners),
+        _options(memory, plan, precision, offload_to),
+    )
 
-    ``optimizer``: for the optimizer-state estimate, ``"adam"`` (2 parameter-sized states per
-    trainable element), ``"sgd_momentum"`` (1), ``"sgd"`` (0), or a number of states.
+
+def explain_step(step: CompiledStep, optimizer="adam") -> Explanation:
+    """The explanation of one compiled step: its plan, and its final forward / backward traces.
+
+    ``optimizer``: for the optimizer-state estimate, ``"adam"`` (2 parameter-sized states per trainable
+    element), ``"sgd_momentum"`` (1), ``"sgd"`` (0), or a number of states.
     """
-    from fsdp_pass.transform import FSDP, fsdp_of  # transform imports this module
+    options = step.options
+    return _explanation(step.plan, step, optimizer, options.mixed_precision, options.offload_to)
 
-    if isinstance(target, UnitPlan):
-        return explain_traces(target, optimizer=optimizer)
-    fsdp = target if isinstance(target, FSDP) else fsdp_of(target)
-    check(
-        fsdp.unit_plan is not None and "forward" in fsdp._final_traces,
-        "explain() reads the traces of a compiled step, and this model has not been compiled yet.",
-        "Run one step first (loss = jm(x); loss.backward()), or use `python -m fsdp_pass explain` for a dry run.",
-    )
-    traces = fsdp._final_traces
-    return explain_traces(
-        fsdp.unit_plan,
-        traces["forward"],
-        traces.get("backward"),
-        fsdp._unit_of_collective,
-        optimizer,
-        fsdp.checkpointed_units,
-        fsdp.mixed_precision,
-        fsdp.offload_to,
-    )
+
+def explain_plan(plan: UnitPlan, optimizer="adam") -> Explanation:
+    """The explanation of a plan alone: sizes and floors (the schedule and the step's memory need traces)."""
+    return _explanation(plan, None, optimizer, FULL_PRECISION, None)

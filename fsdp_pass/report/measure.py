@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
+
 
 class CollectiveBytes:
     """Records ``(kind, full buffer bytes)`` of each all-gather / reduce-scatter issued inside the block."""
@@ -51,7 +53,7 @@ class CollectiveBytes:
 
     def __enter__(self):
         def record(kind, out, inp, call):
-            self.calls.append((kind, (out if kind == "all_gather" else inp).nbytes))
+            self.calls.append((kind, (out if kind is ALL_GATHER else inp).nbytes))
             return call()
 
         self._intercept = _InterceptCollectives(record).__enter__()
@@ -71,7 +73,7 @@ class _InterceptCollectives:
     def __enter__(self):
         self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor = (
-            self._wrapped(kind, f) for kind, f in zip(("all_gather", "reduce_scatter"), self._saved)
+            self._wrapped(kind, f) for kind, f in zip((ALL_GATHER, REDUCE_SCATTER), self._saved)
         )
         return self
 

@@ -100,73 +100,96 @@ def _contiguous_after(bsym, src_contiguous: bool, src_shape) -> bool:
     return False  # transpose, permute, expand, broadcast: strided views
 
 
+class _Buffers:
+    """The buffers of one trace as it is walked op by op: which buffer each name holds, and each buffer's
+    size, kind, first write and last read."""
+
+    def __init__(self, carried_in: dict[str, Buffer]):
+        self.buffer_of: dict[str, str] = {}  # tensor / future name -> buffer id
+        self.held_by_future: dict[str, str] = {}  # future name -> the send buffer it keeps alive
+        self.contiguous: dict[str, bool] = {}
+        self.size, self.kind, self.start, self.last = {}, {}, {}, {}
+        self.handed_on_names: set[str] = set()
+        for name, buf in carried_in.items():
+            self.share(name, buf.name, True)
+            if buf.name not in self.size:
+                saved_kind = GATHERED if buf.kind == GATHERED else SAVED  # kept parameters stay parameters
+                self.size[buf.name], self.kind[buf.name] = buf.nbytes, saved_kind
+                self.start[buf.name] = self.last[buf.name] = -1
+
+    def new(self, proxy, i: int, kind: str = OTHER) -> None:
+        self.share(proxy.name, proxy.name, True)
+        self.size[proxy.name], self.kind[proxy.name] = tensor_bytes(proxy), kind
+        self.start[proxy.name] = self.last[proxy.name] = i
+
+    def share(self, name: str, buffer: str, contiguous: bool) -> None:
+        self.buffer_of[name], self.contiguous[name] = buffer, contiguous
+
+    def read(self, b, i: int) -> list:
+        """The followed proxies ``b`` reads; their buffers (and what a future holds) live at least to ``i``."""
+        read = [p for p in b.flat_proxy_args if p.name in self.buffer_of]
+        for p in read:
+            self.last[self.buffer_of[p.name]] = max(self.last[self.buffer_of[p.name]], i)
+            if p.name in self.held_by_future:
+                self.last[self.held_by_future[p.name]] = max(self.last[self.held_by_future[p.name]], i)
+        return read
+
+    def renamed(self, b, read) -> None:
+        """Unpacking the saved list or a shallow copy: the same tensors under new names."""
+        srcs = [p for p in read if isinstance(p, TensorProxy)]
+        for o in b.flat_proxy_outs:
+            if isinstance(o, TensorProxy) and o.name not in self.buffer_of and len(srcs) == 1:
+                self.share(o.name, self.buffer_of[srcs[0].name], self.contiguous[srcs[0].name])
+
+    def collective(self, b, i: int) -> None:
+        """Writes its result buffer when issued; its future keeps the send buffer alive until the wait."""
+        self.new(b.output, i, GATHERED if is_all_gather(b) else OTHER)
+        send = b.flat_proxy_args[0]
+        if send.name in self.buffer_of:
+            self.held_by_future[b.output.name] = self.buffer_of[send.name]
+
+    def view(self, b, src, i: int) -> None:
+        """A view shares its input's buffer; reshaping a non-contiguous tensor copies it."""
+        if is_reshape(b) and not self.contiguous[src.name]:
+            self.new(b.output, i, self.kind[self.buffer_of[src.name]])  # a copy, of the same kind of data
+            return
+        for o in b.flat_proxy_outs:
+            self.share(o.name, self.buffer_of[src.name], _contiguous_after(b, self.contiguous[src.name], src.shape))
+
+    def op(self, b, i: int) -> None:
+        """Step ``i`` of the trace: bound symbol ``b``."""
+        read = self.read(b, i)
+        if is_return(b):
+            self.handed_on_names.update(p.name for p in read)
+        elif is_bookkeeping(b):
+            self.renamed(b, read)
+        elif is_all_gather(b) or is_reduce_scatter(b) or is_all_reduce(b):
+            self.collective(b, i)
+        elif is_wait(b):
+            self.share(b.output.name, self.buffer_of[b.args[0].name], True)
+        elif is_view_like(b):
+            if len(read) == 1:  # else a view of something not followed (a parameter shard, the input batch)
+                self.view(b, read[0], i)
+        else:
+            for o in b.flat_proxy_outs:
+                if isinstance(o, TensorProxy):
+                    self.new(o, i)
+
+
 def trace_memory(trace, carried_in: dict[str, Buffer] | None = None) -> TraceMemory:
     """Follow every buffer of ``trace``. ``carried_in``: name -> Buffer the trace receives live."""
-    bsyms = trace.bound_symbols
-    carried_in = carried_in or {}
-    buffer_of: dict[str, str] = {}  # tensor / future name -> buffer id
-    held_by_future: dict[str, str] = {}  # future name -> the send buffer it keeps alive
-    contiguous: dict[str, bool] = {}
-    size, kind, start, last = {}, {}, {}, {}
-    handed_on_names: set[str] = set()
-
-    for name, buf in carried_in.items():
-        buffer_of[name], contiguous[name] = buf.name, True
-        if buf.name not in size:
-            saved_kind = GATHERED if buf.kind == GATHERED else SAVED  # kept parameters stay parameters
-            size[buf.name], kind[buf.name], start[buf.name], last[buf.name] = buf.nbytes, saved_kind, -1, -1
-
-    def new_buffer(proxy, i, k=OTHER):
-        buffer_of[proxy.name], contiguous[proxy.name] = proxy.name, True
-        size[proxy.name], kind[proxy.name], start[proxy.name], last[proxy.name] = tensor_bytes(proxy), k, i, i
-
-    for i, b in enumerate(bsyms):
-        read = [p for p in b.flat_proxy_args if p.name in buffer_of]
-        for p in read:
-            last[buffer_of[p.name]] = max(last[buffer_of[p.name]], i)
-            if p.name in held_by_future:
-                last[held_by_future[p.name]] = max(last[held_by_future[p.name]], i)
-        if is_return(b):
-            handed_on_names.update(p.name for p in read)
-            continue
-        if is_bookkeeping(b):  # unpacking the saved list or a shallow copy: the same tensors under new names
-            outs = [o for o in b.flat_proxy_outs if isinstance(o, TensorProxy)]
-            srcs = [p for p in read if isinstance(p, TensorProxy)]
-            for o in outs:
-                if o.name not in buffer_of and len(srcs) == 1:
-                    buffer_of[o.name], contiguous[o.name] = buffer_of[srcs[0].name], contiguous[srcs[0].name]
-            continue
-        if is_all_gather(b) or is_reduce_scatter(b) or is_all_reduce(b):
-            new_buffer(b.output, i, GATHERED if is_all_gather(b) else OTHER)
-            send = b.flat_proxy_args[0]
-            if send.name in buffer_of:
-                held_by_future[b.output.name] = buffer_of[send.name]
-            continue
-        if is_wait(b):
-            fut = b.args[0]
-            buffer_of[b.output.name], contiguous[b.output.name] = buffer_of[fut.name], True
-            continue
-        if is_view_like(b) and len(read) == 1:
-            (src,) = read
-            if is_reshape(b) and not contiguous[src.name]:
-                new_buffer(b.output, i, kind[buffer_of[src.name]])  # a copy, of the same kind of data
-                continue
-            for o in b.flat_proxy_outs:
-                buffer_of[o.name] = buffer_of[src.name]
-                contiguous[o.name] = _contiguous_after(b, contiguous[src.name], src.shape)
-            continue
-        if is_view_like(b):  # a view of something not followed (a parameter shard, the input batch)
-            continue
-        for o in b.flat_proxy_outs:
-            if isinstance(o, TensorProxy):
-                new_buffer(o, i)
-
-    end = len(bsyms)
-    returned_buffers = {buffer_of[n] for n in handed_on_names}
-    buffers = tuple(Buffer(k, size[k], kind[k], start[k], end if k in returned_buffers else last[k]) for k in size)
+    followed = _Buffers(carried_in or {})
+    for i, b in enumerate(trace.bound_symbols):
+        followed.op(b, i)
+    end = len(trace.bound_symbols)
+    returned_buffers = {followed.buffer_of[n] for n in followed.handed_on_names}
+    buffers = tuple(
+        Buffer(k, followed.size[k], followed.kind[k], followed.start[k], end if k in returned_buffers else followed.last[k])
+        for k in followed.size
+    )
     peak, peak_at, peak_by_kind = _peak(buffers)
     by_id = {buf.name: buf for buf in buffers}
-    handed_on = {n: by_id[buffer_of[n]] for n in handed_on_names}
+    handed_on = {n: by_id[followed.buffer_of[n]] for n in followed.handed_on_names}
     return TraceMemory(buffers, peak, peak_at, peak_by_kind, handed_on)
 
 

@@ -12,9 +12,9 @@ For every all-gather, reduce-scatter and all-reduce:
    another collective's result apart (cutting parameters out of a gathered buffer, dividing a reduced
    gradient shard by the world size) do not count as compute here.
 
-``units`` (collective output name -> unit name, as :func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives`
-gives) names the unit of each row; without it, rows are named by kind and position only, so the report
-also reads traces this pass did not make (Thunder's own FSDP).
+``units`` (collective output name -> unit name, as a :class:`~fsdp_pass.compiled_step.CompiledStep` holds
+them; ``step_overlap(step)`` passes them) names the unit of each row; without it, rows are named by kind
+and position only, so the report also reads traces this pass did not make (Thunder's own FSDP).
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from fsdp_pass.compiled_step import CompiledStep
+from fsdp_pass.op_names import CollectiveKind
 from fsdp_pass.passes.collective_groups import graph, unpacking_group
+from fsdp_pass.predicates import collective_kind, is_all_gather, is_bookkeeping, is_collective, is_view_like, is_wait
 from fsdp_pass.text import format_table, human_bytes
-from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_reduce_scatter, is_view_like, is_wait
 
 
 def _numel(proxy) -> int:
@@ -57,7 +59,7 @@ def is_compute(bsym) -> bool:
 @dataclass(frozen=True)
 class CollectiveOverlap:
     phase: str
-    kind: str  # "all-gather", "reduce-scatter", "all-reduce"
+    kind: CollectiveKind
     unit: str | None
     full_bytes: int
     issued_at: int
@@ -72,10 +74,6 @@ class CollectiveOverlap:
     @property
     def compute_ops_between(self) -> int:
         return sum(n for _, n in self.ops_between)
-
-
-def _kind(bsym) -> str:
-    return "all-gather" if is_all_gather(bsym) else "reduce-scatter" if is_reduce_scatter(bsym) else "all-reduce"
 
 
 def collective_overlaps(trace, phase: str, units: dict[str, str] | None = None) -> list[CollectiveOverlap]:
@@ -94,7 +92,7 @@ def collective_overlaps(trace, phase: str, units: dict[str, str] | None = None) 
         rows.append(
             CollectiveOverlap(
                 phase,
-                _kind(b),
+                collective_kind(b),
                 (units or {}).get(b.output.name),
                 _numel(full) * full.dtype.bytes,
                 i,
@@ -143,3 +141,8 @@ def overlap_report(forward, backward=None, units: dict[str, str] | None = None) 
     if backward is not None:
         rows += collective_overlaps(backward, "backward", units)
     return OverlapReport(tuple(rows))
+
+
+def step_overlap(step: CompiledStep) -> OverlapReport:
+    """The report of one compiled step, each row named with its unit."""
+    return overlap_report(step.forward, step.backward, step.unit_of_collective)

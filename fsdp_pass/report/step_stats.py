@@ -18,14 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveKind
+from fsdp_pass.predicates import collective_kind
 from fsdp_pass.report.memory import live_over_step, tensor_bytes
-from fsdp_pass.predicates import is_all_gather, is_all_reduce, is_reduce_scatter
 
 
 @dataclass(frozen=True)
 class Collective:
     phase: str  # "forward" or "backward"
-    kind: str  # "all_gather", "reduce_scatter", "all_reduce"
+    kind: CollectiveKind
     position: int  # index in its trace
     full_bytes: int  # the unsharded buffer: gathered output, or reduce-scatter / all-reduce input
 
@@ -33,12 +34,10 @@ class Collective:
 def collectives_of(trace, phase: str) -> list[Collective]:
     out = []
     for i, b in enumerate(trace.bound_symbols):
-        if is_all_gather(b):
-            out.append(Collective(phase, "all_gather", i, tensor_bytes(b.output)))
-        elif is_reduce_scatter(b):
-            out.append(Collective(phase, "reduce_scatter", i, tensor_bytes(b.flat_proxy_args[0])))
-        elif is_all_reduce(b):
-            out.append(Collective(phase, "all_reduce", i, tensor_bytes(b.flat_proxy_args[0])))
+        kind = collective_kind(b)
+        if kind is not None:  # the full buffer: what an all-gather returns, what the others read
+            full = b.output if kind is ALL_GATHER else b.flat_proxy_args[0]
+            out.append(Collective(phase, kind, i, tensor_bytes(full)))
     return out
 
 
@@ -48,22 +47,22 @@ class StepStats:
     collectives: tuple[Collective, ...]
     peak_gathered_bytes: int
 
-    def count(self, kind: str | None = None, phase: str | None = None) -> int:
+    def count(self, kind: CollectiveKind | None = None, phase: str | None = None) -> int:
         return sum(1 for c in self.collectives if kind in (None, c.kind) and phase in (None, c.phase))
 
     @property
     def bytes_per_rank(self) -> float:
         n = self.world_size
-        return sum(c.full_bytes * (n - 1) / n * (2 if c.kind == "all_reduce" else 1) for c in self.collectives)
+        return sum(c.full_bytes * (n - 1) / n * (2 if c.kind is ALL_REDUCE else 1) for c in self.collectives)
 
     def breakdown(self) -> str:
         """e.g. ``'6 AG (4 fwd + 2 bwd) + 4 RS'``."""
-        ag_f, ag_b = self.count("all_gather", "forward"), self.count("all_gather", "backward")
+        ag_f, ag_b = self.count(ALL_GATHER, "forward"), self.count(ALL_GATHER, "backward")
         parts = [f"{ag_f + ag_b} AG ({ag_f} fwd + {ag_b} bwd)"] if ag_f + ag_b else []
-        if self.count("reduce_scatter"):
-            parts.append(f"{self.count('reduce_scatter')} RS")
-        if self.count("all_reduce"):
-            parts.append(f"{self.count('all_reduce')} AR")
+        if self.count(REDUCE_SCATTER):
+            parts.append(f"{self.count(REDUCE_SCATTER)} RS")
+        if self.count(ALL_REDUCE):
+            parts.append(f"{self.count(ALL_REDUCE)} AR")
         return " + ".join(parts) or "none"
 
 

@@ -38,17 +38,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from fsdp_pass_executors import WAIT_CLOCK, executors_for
 
+from fsdp_pass.compiled_step import PHASES, CompiledStep
 from fsdp_pass.demo import TinyLM, counting_batch
 from fsdp_pass.groups import free_port, init_local_gloo
-from fsdp_pass.report.overlap import OverlapReport
-from fsdp_pass.text import format_table
-from fsdp_pass.predicates import collectives, is_all_gather, is_reduce_scatter
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER, CollectiveKind
 from fsdp_pass.plan.schedule import Schedule
+from fsdp_pass.predicates import collective_kind, collectives
+from fsdp_pass.report.overlap import OverlapReport, step_overlap
+from fsdp_pass.text import format_table
 from fsdp_pass.transform import FSDP
 from fsdp_pass.zoo import lm_loss
-
-PHASES = ("forward", "backward")
-KIND_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange"}
+KIND_COLORS = {ALL_GATHER: "tab:blue", REDUCE_SCATTER: "tab:orange"}
 _SEQ, _VOCAB = 32, 64  # TinyLM's defaults: block size and vocabulary
 
 
@@ -57,7 +57,7 @@ class TimedCollective:
     """One collective of the recorded step; times in seconds since the step started."""
 
     phase: str  # "forward" or "backward"
-    kind: str  # "all_gather" or "reduce_scatter"
+    kind: CollectiveKind
     unit: str
     numel: int  # of the full (unsharded) buffer
     issued: float
@@ -90,24 +90,21 @@ class StepTimeline:
 
 
 # ------------------------------------------------------------------------------------------ recording
-def _kind(bsym) -> str:
-    return "all_gather" if is_all_gather(bsym) else "reduce_scatter" if is_reduce_scatter(bsym) else "other"
-
-
-def name_events(events, fsdp: FSDP, start: float) -> tuple[TimedCollective, ...]:
+def name_events(events, step: CompiledStep, start: float) -> tuple[TimedCollective, ...]:
     """Match ``WAIT_CLOCK.events`` of one step to the final traces' collectives, in issue order."""
-    traced = [(phase, b) for phase in PHASES for b in collectives(fsdp._final_traces[phase])]
+    traced = [(phase, b) for phase in PHASES for b in collectives(step.final_trace(phase))]
     ran = sorted(events, key=lambda e: e.issued)
-    if [e.kind for e in ran] != [_kind(b) for _, b in traced]:
+    if [e.kind for e in ran] != [collective_kind(b) for _, b in traced]:
         raise RuntimeError(
-            f"the step issued {[e.kind for e in ran]}, but its traces hold {[_kind(b) for _, b in traced]}: "
+            f"the step issued {[str(e.kind) for e in ran]}, but its traces hold "
+            f"{[str(collective_kind(b)) for _, b in traced]}: "
             "was anything else waited on through fsdp_comm while recording?"
         )
     return tuple(
         TimedCollective(
             phase,
             e.kind,
-            fsdp._unit_of_collective.get(b.output.name, "?"),
+            step.unit_of_collective.get(b.output.name, "?"),
             e.numel,
             e.issued - start,
             e.completed - start,
@@ -166,16 +163,16 @@ def _compiled(schedule, strategy, layers, width):
     return fsdp, jm, torch.optim.SGD(jm.parameters(), lr=1e-2)
 
 
-def _timeline(label: str, fsdp: FSDP, step: _Recorded) -> StepTimeline:
+def _timeline(label: str, fsdp: FSDP, recorded: _Recorded) -> StepTimeline:
     return StepTimeline(
         label,
         dist.get_rank(),
         dist.get_world_size(),
         fsdp.strategy.value,
-        step.backward_start - step.start,
-        step.end - step.start,
-        name_events(step.events, fsdp, step.start),
-        fsdp.overlap_report(),
+        recorded.backward_start - recorded.start,
+        recorded.end - recorded.start,
+        name_events(recorded.events, fsdp.compiled_step, recorded.start),
+        step_overlap(fsdp.compiled_step),
     )
 
 
@@ -349,9 +346,9 @@ def _legend_handles():
     return [
         Patch(facecolor="0.65", label="running (compute, Python)"),
         Patch(facecolor="white", edgecolor="0.3", hatch="////", label="blocked in a wait"),
-        Patch(facecolor=KIND_COLORS["all_gather"], label="all-gather in flight"),
-        Patch(facecolor=KIND_COLORS["reduce_scatter"], label="reduce-scatter in flight"),
-        Patch(facecolor=KIND_COLORS["reduce_scatter"], alpha=0.35, label="end not reported: up to its wait"),
+        Patch(facecolor=KIND_COLORS[ALL_GATHER], label="all-gather in flight"),
+        Patch(facecolor=KIND_COLORS[REDUCE_SCATTER], label="reduce-scatter in flight"),
+        Patch(facecolor=KIND_COLORS[REDUCE_SCATTER], alpha=0.35, label="end not reported: up to its wait"),
         Line2D([], [], color="0.3", lw=1, label="done, not yet waited for"),
     ]
 

@@ -1,6 +1,6 @@
 """Shard a ThunderModule's parameters in place of the originals (the transform's module step).
 
-``shard_module(thunder_module, group, strategy, device, broadcast_from, release, offload_to) -> (plan, device, shard_device)``
+``shard_module(thunder_module, group, strategy, device, broadcast_from, release, offload_to) -> ShardedModel``
 
 1. Check the input: a process group, parameters on one device.
 2. Name every parameter, with tied names pointing at the first name of their tensor.
@@ -14,12 +14,14 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from fsdp_pass.errors import check, fail
 from fsdp_pass.plan.layout import ShardLayout, shard_tensor
+from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, Strategy
 
 
@@ -61,11 +63,69 @@ def _materialize(module: torch.nn.Module, device: torch.device) -> None:
             sub.reset_parameters()
 
 
+@dataclass(frozen=True)
+class ShardedModel:
+    """Where a model's shards are: what the stages after sharding need to know of the module.
+
+    The functional (tutorial) path makes one from a trace alone: no devices, a flat tree."""
+
+    sharding: ShardingPlan
+    group: object  # the torch.distributed ProcessGroup the parameters are sharded over
+    tree: ModuleTree | None = None  # the module tree the unit policy reads (None: every parameter under the root)
+    device: torch.device | None = None  # where the step computes
+    shard_device: torch.device | None = None  # where the shards live between uses: offload_to, else device
+
+
+def sharding_plan(thunder_module, group, strategy: Strategy) -> ShardingPlan:
+    """One spec per parameter name; a tied name points at the first name of its tensor."""
+    world_size = dist.get_world_size(group)
+    first_name: dict[int, str] = {}
+    specs = []
+    for name, p in thunder_module.named_parameters(remove_duplicate=False):
+        owner = first_name.setdefault(id(p), name)
+        specs.append(ParamSpec(name, owner, ShardLayout(tuple(p.shape), world_size), p.dtype, p.requires_grad))
+    return ShardingPlan(world_size=world_size, rank=dist.get_rank(group), strategy=strategy, params=tuple(specs))
+
+
+def _check_broadcast_source(broadcast_from, world_size: int) -> None:
+    check(
+        broadcast_from is None or 0 <= broadcast_from < world_size,
+        f"broadcast_from={broadcast_from} is not a rank of the process group (world size {world_size}).",
+        f"Pass a rank in 0..{world_size - 1}, or None to keep each rank's own initial weights.",
+    )
+
+
+def _replicate_buffers(thunder_module, group, device, broadcast_from) -> None:
+    """Buffers stay whole on every rank: moved to ``device`` (and taken from ``broadcast_from``)."""
+    shared = thunder_module._get_shared_names()
+    for name, b in list(thunder_module.named_buffers()):
+        moved = b.to(device, copy=broadcast_from is not None)
+        if broadcast_from is not None:
+            dist.broadcast(moved, src=dist.get_global_rank(group, broadcast_from), group=group)
+        if moved is not b or broadcast_from is not None:
+            for n2 in shared[name]:
+                thunder_module._overrides_buffers[n2] = moved
+
+
+def _shard_parameters(thunder_module, sharding: ShardingPlan, group, device, shard_device, broadcast_from, release):
+    """Each parameter replaced, under every name sharing it, by this rank's shard."""
+    shared = thunder_module._get_shared_names()
+    for spec in sharding.owners():
+        full = thunder_module.get_parameter(spec.name).detach().to(device, copy=broadcast_from is not None)
+        if broadcast_from is not None:
+            dist.broadcast(full, src=dist.get_global_rank(group, broadcast_from), group=group)
+        local = place_shard(shard_tensor(full, spec.layout, sharding.rank), shard_device, device)
+        shard = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
+        for n2 in shared[spec.name]:
+            thunder_module._overrides_parameters[n2] = shard
+        if release:
+            _release(thunder_module._model, shared[spec.name], shard_device)
+
+
 def shard_module(
     thunder_module, group, strategy: Strategy, device, broadcast_from, release_originals: bool, offload_to=None
-):
-    """Returns the plan, the compute device and the device the shards live on (``offload_to``, else the same)."""
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+) -> ShardedModel:
+    """Shard ``thunder_module``'s parameters over ``group`` (steps 3-6 of the module docstring)."""
     original = thunder_module._model
     device = resolve_device(original, device)
     # a dry run (meta device) allocates nothing, offloaded or not; its traces still show the copies
@@ -75,43 +135,13 @@ def shard_module(
         # to_empty made new tensors: point the ThunderModule at them
         thunder_module._overrides_parameters.update(original.named_parameters(remove_duplicate=False))
         thunder_module._overrides_buffers.update(original.named_buffers(remove_duplicate=False))
-
-    shared = thunder_module._get_shared_names()
-    named = list(thunder_module.named_parameters(remove_duplicate=False))
-    first_name: dict[int, str] = {}
-    specs = []
-    for name, p in named:
-        owner = first_name.setdefault(id(p), name)
-        specs.append(ParamSpec(name, owner, ShardLayout(tuple(p.shape), world_size), p.dtype, p.requires_grad))
-    plan = ShardingPlan(world_size=world_size, rank=rank, strategy=strategy, params=tuple(specs))
-
-    if broadcast_from is not None:
-        check(
-            0 <= broadcast_from < world_size,
-            f"broadcast_from={broadcast_from} is not a rank of the process group (world size {world_size}).",
-            f"Pass a rank in 0..{world_size - 1}, or None to keep each rank's own initial weights.",
-        )
-
+    tree = ModuleTree.of(original)
+    sharding = sharding_plan(thunder_module, group, strategy)
+    _check_broadcast_source(broadcast_from, sharding.world_size)
     with torch.no_grad():
-        for name, b in list(thunder_module.named_buffers()):
-            moved = b.to(device, copy=broadcast_from is not None)
-            if broadcast_from is not None:
-                dist.broadcast(moved, src=dist.get_global_rank(group, broadcast_from), group=group)
-            if moved is not b or broadcast_from is not None:
-                for n2 in shared[name]:
-                    thunder_module._overrides_buffers[n2] = moved
-
-        for spec in plan.owners():
-            full = thunder_module.get_parameter(spec.name).detach().to(device, copy=broadcast_from is not None)
-            if broadcast_from is not None:
-                dist.broadcast(full, src=dist.get_global_rank(group, broadcast_from), group=group)
-            local = place_shard(shard_tensor(full, spec.layout, rank), shard_device, device)
-            shard = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
-            for n2 in shared[spec.name]:
-                thunder_module._overrides_parameters[n2] = shard
-            if release_originals:
-                _release(original, shared[spec.name], shard_device)
-    return plan, device, shard_device
+        _replicate_buffers(thunder_module, group, device, broadcast_from)
+        _shard_parameters(thunder_module, sharding, group, device, shard_device, broadcast_from, release_originals)
+    return ShardedModel(sharding, group, tree, device, shard_device)
 
 
 def place_shard(shard: torch.Tensor, shard_device: torch.device, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Full (unsharded) state dicts for a sharded model: save one, load one, round trip exact.
 
-``full_state_dict(jm)`` gathers every parameter (one all-gather per sharded tensor) and returns the
-same keys as the original module's ``state_dict()``, tied names included. ``load_full_state_dict``
+``full_state_dict(jm, sharded)`` gathers every parameter (one all-gather per sharded tensor) and returns
+the same keys as the original module's ``state_dict()``, tied names included. ``load_full_state_dict``
 shards a full state dict and copies each rank's shard *into* the existing parameters, so optimizers
-holding them keep working. Every rank must call both (they are collective).
+holding them keep working. Every rank must call both (they are collective). ``sharded``: the
+:class:`~fsdp_pass.shard.module.ShardedModel` of the transform ``jm`` was jitted with
+(``fsdp_pass.full_state_dict(jm)`` finds it).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.distributed as dist
 
 from fsdp_pass.errors import check
 from fsdp_pass.plan.layout import ShardLayout, shard_tensor, unpad_gathered
+from fsdp_pass.shard.module import ShardedModel
 
 
 def gather_full(shard: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor:
@@ -20,12 +23,6 @@ def gather_full(shard: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor
     out = torch.empty((layout.padded_rows, *layout.shape[1:]), dtype=shard.dtype, device=shard.device)
     dist.all_gather_into_tensor(out, shard.detach().contiguous(), group=group)
     return unpad_gathered(out, layout)
-
-
-def _fsdp_of(jm):
-    from fsdp_pass.transform import fsdp_of  # transform imports this module
-
-    return fsdp_of(jm)
 
 
 def _persistent_buffer_names(module: torch.nn.Module) -> list[str]:
@@ -36,23 +33,21 @@ def _persistent_buffer_names(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def full_state_dict(jm, *, cpu: bool = False) -> dict[str, torch.Tensor]:
-    fsdp = _fsdp_of(jm)
-    plan = fsdp.sharding
+def full_state_dict(jm, sharded: ShardedModel, *, cpu: bool = False) -> dict[str, torch.Tensor]:
+    plan = sharded.sharding
     gathered: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for spec in plan.params:
         if spec.shard_of not in gathered:
-            gathered[spec.shard_of] = gather_full(jm.get_parameter(spec.shard_of), spec.layout, fsdp.group)
+            gathered[spec.shard_of] = gather_full(jm.get_parameter(spec.shard_of), spec.layout, sharded.group)
         out[spec.name] = gathered[spec.shard_of]
     for name in _persistent_buffer_names(jm._model):
         out[name] = jm.get_buffer(name).detach()
     return {k: v.cpu() for k, v in out.items()} if cpu else out
 
 
-def load_full_state_dict(jm, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    fsdp = _fsdp_of(jm)
-    plan = fsdp.sharding
+def load_full_state_dict(jm, sharded: ShardedModel, state_dict: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    plan = sharded.sharding
     expected = [s.name for s in plan.params] + _persistent_buffer_names(jm._model)
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in set(expected)]

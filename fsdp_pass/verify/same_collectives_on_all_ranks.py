@@ -15,23 +15,15 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.predicates import is_all_gather, is_all_reduce, is_reduce_scatter, is_unpack_trivial
-
-
-def _kind(bsym) -> str:
-    if is_all_gather(bsym):
-        return "all_gather"
-    if is_reduce_scatter(bsym):
-        return "reduce_scatter"
-    return "all_reduce"
+from fsdp_pass.predicates import collective_kind, is_collective, is_unpack_trivial
 
 
 def collective_sequence(trace) -> list[str]:
     out = []
     for b in trace.bound_symbols:
-        if is_all_gather(b) or is_reduce_scatter(b) or is_all_reduce(b):
+        if is_collective(b):
             t = b.flat_proxy_args[0]
-            out.append(f"{_kind(b)}({t.numel} x {t.dtype})")
+            out.append(f"{collective_kind(b)}({t.numel} x {t.dtype})")
     return out
 
 

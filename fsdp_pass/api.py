@@ -1,0 +1,64 @@
+"""What a user calls on a model jitted with ``FSDP``: each function finds the model's transform and hands
+its parts to the stage that does the work.
+
+- ``fsdp_of(jm)``: the :class:`~fsdp_pass.transform.FSDP` transform ``jm`` was jitted with;
+- ``explain(jm | fsdp | plan)``: :mod:`fsdp_pass.report.explain` of the latest compile (or of a plan alone);
+- ``no_sync(jm)``: accumulate gradients without reduce-scatters (:mod:`fsdp_pass.ops.grad_accumulation`);
+- ``full_state_dict(jm)``, ``load_full_state_dict(jm, sd)``: :mod:`fsdp_pass.shard.state_dict`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from fsdp_pass.errors import fail
+from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.report.explain import Explanation, explain_plan
+from fsdp_pass.shard import state_dict
+from fsdp_pass.transform import FSDP
+
+
+def fsdp_of(jitted) -> FSDP:
+    """The :class:`FSDP` transform a model was jitted with (an error saying what to pass otherwise)."""
+    for t in getattr(jitted, "_lc_transforms", ()):
+        if isinstance(t, FSDP):
+            return t
+    fail(
+        f"This model ({type(jitted).__name__}) was not compiled with fsdp_pass.FSDP.",
+        "Pass the model returned by thunder.jit(model, transforms=[FSDP(...)]).",
+    )
+
+
+def explain(target, *, optimizer="adam") -> Explanation:
+    """Explain a model jitted with :class:`~fsdp_pass.FSDP` (after its first step), an ``FSDP``
+    transform, or a :class:`~fsdp_pass.plan.units.UnitPlan`.
+
+    ``optimizer``: for the optimizer-state estimate, ``"adam"`` (2 parameter-sized states per
+    trainable element), ``"sgd_momentum"`` (1), ``"sgd"`` (0), or a number of states.
+    """
+    if isinstance(target, UnitPlan):
+        return explain_plan(target, optimizer=optimizer)
+    fsdp = target if isinstance(target, FSDP) else fsdp_of(target)
+    return fsdp.explain(optimizer)
+
+
+@contextmanager
+def no_sync(jitted):
+    """Accumulate gradients locally (no reduce-scatter) for the backwards of forwards run in this block.
+
+    The first forward+backward after the block reduce-scatters the sum of everything accumulated.
+    """
+    with fsdp_of(jitted).accumulators.accumulating(jitted.parameters()):
+        yield
+
+
+def full_state_dict(jitted, *, cpu: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (same keys as the original module's), on every rank: collective."""
+    return state_dict.full_state_dict(jitted, fsdp_of(jitted).model, cpu=cpu)
+
+
+def load_full_state_dict(jitted, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+    """Shard a full state dict into the model's existing parameters (every rank calls it: collective)."""
+    state_dict.load_full_state_dict(jitted, fsdp_of(jitted).model, full, strict=strict)

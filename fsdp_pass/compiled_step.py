@@ -1,0 +1,32 @@
+"""``CompiledStep``: one compile of a training step under FSDP, frozen: what the reports read.
+
+The transform keeps the latest one (``FSDP.compiled_step``); the functional path returns the same pieces.
+Report code (:mod:`fsdp_pass.report`) takes a ``CompiledStep`` as an argument and reads nothing else of the
+transform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.units import UnitPlan
+
+PHASES = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    plan: UnitPlan  # the units of this compile, from its forward trace
+    options: FSDPOptions  # what the passes were asked to do
+    forward: object | None = None  # the final (executable) forward trace; None until lowered
+    backward: object | None = None  # the final backward trace; None when nothing requires grad
+    unit_of_collective: dict[str, str] = field(default_factory=dict)  # collective output name -> unit name
+
+    def with_final_trace(self, phase: str, trace, unit_of_collective: dict[str, str]) -> CompiledStep:
+        """This step with its final ``phase`` trace (``"forward"`` or ``"backward"``) and the units found in it."""
+        assert phase in PHASES, phase
+        return replace(self, **{phase: trace}, unit_of_collective={**self.unit_of_collective, **unit_of_collective})
+
+    def final_trace(self, phase: str):
+        return self.forward if phase == "forward" else self.backward

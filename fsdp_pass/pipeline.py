@@ -1,0 +1,83 @@
+"""The stage order of FSDP, written once: the transform and the functional (tutorial) path both run it.
+
+Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forward`
+
+  1. plan      which parameters are gathered together, which units reshard after forward, which are
+               checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`);
+  2. shard     the prologue expects the shards (:func:`~fsdp_pass.shard.prologue.shard_prologue`); the
+               module itself was sharded once, when the transform was applied (:mod:`fsdp_pass.shard.module`);
+  3. insert    one ``unshard_unit`` per unit before its first use
+               (:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`), the mixed-precision casts
+               (:func:`~fsdp_pass.passes.cast_compute.cast_compute`), the activation checkpointing tags
+               (:func:`~fsdp_pass.passes.checkpoint_units.checkpoint_units`).
+
+  4. Thunder derives the backward from ``unshard_unit``'s gradient rule (:mod:`fsdp_pass.ops.unshard`:
+     the reduce-scatters) and lowers both traces onto the executors.
+
+After lowering, on the final forward and on the final backward trace: :func:`finish_lowered`
+
+  5. schedule  prefetched gathers, late waits, early reduce-scatters
+               (:func:`~fsdp_pass.passes.schedule_collectives.schedule_collectives`);
+  6. verify    no buffer used while its collective is in flight, the same collectives on every rank
+               (:mod:`fsdp_pass.verify`);
+  7. label     every collective and the ops around it named with its unit and bytes
+               (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
+"""
+
+from __future__ import annotations
+
+from fsdp_pass.op_names import ALL_GATHER
+from fsdp_pass.ops.grad_accumulation import REDUCE
+from fsdp_pass.passes.cast_compute import cast_compute
+from fsdp_pass.passes.checkpoint_units import checkpoint_units
+from fsdp_pass.passes.insert_unshards import insert_unshards
+from fsdp_pass.passes.label_collectives import annotate_collectives
+from fsdp_pass.passes.schedule_collectives import schedule_collectives
+from fsdp_pass.passes.units_of_collectives import units_of_collectives
+from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.plan_units import plan_units
+from fsdp_pass.plan.trace_arguments import parameter_names_of_args
+from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.shard.module import ShardedModel
+from fsdp_pass.shard.prologue import shard_prologue
+from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
+from fsdp_pass.verify.same_collectives_on_all_ranks import check_same_collectives_on_all_ranks
+
+
+def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOptions, grad_sync=(REDUCE, None)):
+    """Stages 1-3 on Thunder's prologue and functional forward trace: ``(prologue, computation, plan)``.
+
+    ``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode of :mod:`fsdp_pass.ops.grad_accumulation`
+    this compile is for (``accumulators`` None: no ``no_sync`` check in the prologue).
+    """
+    plan = plan_units(computation, parameter_names_of_args(prologue, computation), model.sharding, options, model.tree)
+    prologue = shard_prologue(prologue, model.sharding, model.shard_device, grad_sync)
+    computation = insert_unshards(
+        computation,
+        plan,
+        model.group,
+        precision=options.mixed_precision,
+        compute_device=None if options.offload_to is None else str(model.device),
+        grad_sync=grad_sync,
+    )
+    computation = cast_compute(computation, plan, options.mixed_precision)
+    computation = checkpoint_units(computation, plan)
+    return prologue, computation, plan
+
+
+def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, group=None):
+    """Stages 5-7 on a final ``phase`` (``"forward"`` or ``"backward"``) trace: ``(trace, unit_of_collective)``,
+    the second mapping each collective's output name to its unit's name."""
+    found = units_of_collectives(trace, plan)
+    if options.schedule is not None:
+        kept = frozenset(  # gathers whose units stay gathered for the backward
+            name
+            for name, (unit, kind) in found.items()
+            if phase == "forward" and kind is ALL_GATHER and not unit.reshard_after_forward
+        )
+        trace = schedule_collectives(trace, options.schedule, kept)
+    check_collective_lifetimes(trace)
+    if options.verify_ranks:
+        check_same_collectives_on_all_ranks(trace, phase, group)
+    trace = annotate_collectives(trace, plan, found)
+    return trace, {name: unit.name for name, (unit, _) in found.items()}
