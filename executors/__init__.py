@@ -1,40 +1,57 @@
 """fsdp_pass_executors: which Thunder executors run the traces the pass produces.
 
-Imported as ``fsdp_pass_executors`` (the folder is ``executors/``). The collectives run on
-``fsdp_comm`` (:mod:`fsdp_pass_executors.collectives`: async work handles, a communication stream on
-CUDA); the compute between them goes to nvFuser when it is installed for the running torch and a
-CUDA device is used, else to Thunder's torch.compile executor on CUDA, else (CPU) to the torch
-executor. Collectives are never fused, so they are the boundaries of the fusion regions.
+Imported as ``fsdp_pass_executors`` (the folder is ``executors/``). The collectives and the ops that pack
+and unpack their buffers run on ``fsdp_comm`` (:mod:`fsdp_pass_executors.collectives`: async work handles,
+a communication stream on CUDA; :mod:`fsdp_pass_executors.buffers`; :mod:`fsdp_pass_executors.accumulation`).
+The compute between them goes to a fusion executor on CUDA: nvFuser when a wheel built for the running
+torch is installed, else Thunder's torch.compile executor; on CPU to the torch executor. ``fsdp_comm``'s
+ops are never fused, so they are the boundaries of the fusion regions. ``executor_choice(device)`` says
+which list and why; ``FSDP`` puts ``fsdp_comm`` first in any list it is given.
 """
 
 from __future__ import annotations
 
 import torch
+from thunder.extend import get_executor
+
 from fsdp_pass_executors import accumulation as _accumulation  # noqa: F401 - registers the accumulation ops
+from fsdp_pass_executors import buffers as _buffers  # noqa: F401 - registers the pack / unpack ops
 from fsdp_pass_executors.collectives import WAIT_CLOCK, comm_ex
 
-__all__ = ["WAIT_CLOCK", "comm_ex", "describe", "executors_for", "nvfuser_available"]
+__all__ = ["WAIT_CLOCK", "comm_ex", "describe", "executor_choice", "executors_for", "nvfuser_available"]
+
 
 def nvfuser_available() -> bool:
+    """nvFuser imports (its wheel matches this torch) and a GPU is there."""
     try:
-        from thunder.executors.nvfuserex import nvfuserex
+        from thunder.executors.nvfuserex import nvfuserex  # optional: absent without a matching wheel
     except Exception:  # nvfuser missing or built for another torch
         return False
     return nvfuserex is not None and torch.cuda.is_available()
 
 
+def executor_choice(device) -> tuple[list, str]:
+    """(the executor list for ``thunder.jit(..., executors=...)`` on ``device``, why it is that list)."""
+    device = torch.device(device)
+    # on CUDA, attention runs torch's flash / memory-efficient kernels (Thunder's sdpa executor): decomposed,
+    # it would save every layer's attention probabilities for the backward
+    if device.type == "cuda" and nvfuser_available():
+        why = "CUDA with nvFuser installed for this torch; attention on torch's fused SDPA kernels"
+        return [comm_ex, get_executor("sdpa"), get_executor("nvfuser"), get_executor("torch")], why
+    if device.type == "cuda":
+        why = (
+            f"CUDA, and no nvFuser built for torch {torch.__version__.split('+')[0]} is installed (its wheels are "
+            "built per torch version, see the README): Thunder's torch.compile executor fuses instead; attention "
+            "on torch's fused SDPA kernels"
+        )
+        return [comm_ex, get_executor("sdpa"), get_executor("torchcompile"), get_executor("torch")], why
+    why = "CPU: the torch executor (torch.compile would spend minutes compiling kernels this small)"
+    return [comm_ex, get_executor("torch")], why
+
+
 def executors_for(device) -> list:
     """The executor list for thunder.jit(..., executors=...) on ``device``: collectives first, then fusion."""
-    from thunder.extend import get_executor
-
-    device = torch.device(device)
-    if device.type == "cuda" and nvfuser_available():
-        return [comm_ex, get_executor("nvfuser"), get_executor("torch")]
-    if device.type == "cuda":
-        # no nvFuser for this torch: Thunder's torch.compile executor fuses instead
-        return [comm_ex, get_executor("torchcompile"), get_executor("torch")]
-    # CPU: the torch executor alone (torch.compile would add minutes of compile for tiny kernels)
-    return [comm_ex, get_executor("torch")]
+    return executor_choice(device)[0]
 
 
 def describe(executors) -> str:

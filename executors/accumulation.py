@@ -1,7 +1,7 @@
 """The ``fsdp_comm`` executor's implementations of the gradient-accumulation ops of :mod:`fsdp_pass.ops.grad_accumulation`.
 
-In a printed execution trace they read ``fsdp_accumulate_unsharded_grads(flat, accumulators, unit)`` (add
-to the unit's accumulator, no output) and ``fsdp_add_accumulated_grads(flat, accumulators, unit)`` (the
+In a printed execution trace they read ``fsdp_accumulate_unsharded_grads(flat, unit, accumulators)`` (add
+to the unit's accumulator, no output) and ``fsdp_add_accumulated_grads(flat, unit, accumulators)`` (the
 accumulator plus ``flat``, after which the accumulator is empty); ``accumulators`` is the FSDP transform's
 :class:`~fsdp_pass.ops.grad_accumulation.GradAccumulators`.
 """

@@ -34,3 +34,7 @@ __all__ = [
     "load_full_state_dict",
     "no_sync",
 ]
+
+# last, once every name above exists: the executor that runs the pass's ops registers itself with Thunder
+# (fsdp_pass_executors imports fsdp_pass's op definitions, so it comes after them)
+import fsdp_pass_executors  # noqa: E402, F401

@@ -35,6 +35,10 @@ UNSHARD_UNIT = "fsdp_pass.unshard_unit"
 ACCUMULATE_UNSHARDED_GRADS = "fsdp_pass.accumulate_unsharded_grads"
 ADD_ACCUMULATED_GRADS = "fsdp_pass.add_accumulated_grads"
 CHECK_GRAD_SYNC = "fsdp_pass.check_grad_sync"
+PACK_SHARDS = "fsdp_pass.pack_shards"
+UNPACK_GATHERED = "fsdp_pass.unpack_gathered"
+PACK_GRADS = "fsdp_pass.pack_grads"
+UNPACK_GRAD_SHARD = "fsdp_pass.unpack_grad_shard"
 
 # what fsdp_comm names the ops it runs (as printed in the execution traces)
 ALL_GATHER_OP = "fsdp_all_gather"
@@ -42,6 +46,10 @@ REDUCE_SCATTER_OP = "fsdp_reduce_scatter"
 WAIT_OP = "fsdp_wait"
 ACCUMULATE_OP = "fsdp_accumulate_unsharded_grads"
 ADD_ACCUMULATED_OP = "fsdp_add_accumulated_grads"
+PACK_SHARDS_OP = "fsdp_pack_shards"
+UNPACK_GATHERED_OP = "fsdp_unpack_gathered"
+PACK_GRADS_OP = "fsdp_pack_grads"
+UNPACK_GRAD_SHARD_OP = "fsdp_unpack_grad_shard"
 
 # what Thunder's torch executor names the same distributed prims
 TORCH_ALL_GATHER_OP = "torch_all_gather_prim_impl"

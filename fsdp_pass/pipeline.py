@@ -51,13 +51,15 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     this compile is for (``accumulators`` None: no ``no_sync`` check in the prologue).
     """
     plan = plan_units(computation, parameter_names_of_args(prologue, computation), model.sharding, options, model.tree)
-    prologue = shard_prologue(prologue, model.sharding, model.shard_device, grad_sync)
+    prologue = shard_prologue(prologue, model.sharding, model.placed_on, grad_sync)
+    offloaded = options.offload_to is not None
     computation = insert_unshards(
         computation,
         plan,
         model.group,
         precision=options.mixed_precision,
-        compute_device=None if options.offload_to is None else str(model.device),
+        compute_device=str(model.device) if offloaded else None,
+        shard_device=str(model.shard_device) if offloaded else None,
         grad_sync=grad_sync,
     )
     computation = cast_compute(computation, plan, options.mixed_precision)

@@ -10,12 +10,24 @@ from thunder.core import prims
 from thunder.distributed.prims import PrimIDs as DistIDs
 
 from fsdp_pass.op_names import (
+    ACCUMULATE_OP,
+    ACCUMULATE_UNSHARDED_GRADS,
+    ADD_ACCUMULATED_GRADS,
+    ADD_ACCUMULATED_OP,
     ALL_GATHER_OP,
+    PACK_GRADS,
+    PACK_GRADS_OP,
+    PACK_SHARDS,
+    PACK_SHARDS_OP,
     REDUCE_SCATTER_OP,
     TORCH_ALL_GATHER_OP,
     TORCH_ALL_REDUCE_OP,
     TORCH_REDUCE_SCATTER_OP,
     TORCH_WAIT_OP,
+    UNPACK_GATHERED,
+    UNPACK_GATHERED_OP,
+    UNPACK_GRAD_SHARD,
+    UNPACK_GRAD_SHARD_OP,
     UNSHARD_UNIT,
     WAIT_OP,
     CollectiveKind,
@@ -64,6 +76,43 @@ def collective_kind(bsym) -> CollectiveKind | None:
 
 def is_unshard_unit(bsym) -> bool:
     return _id(bsym) == UNSHARD_UNIT
+
+
+# the ops around a unit's collectives (fsdp_pass.ops.flat_buffers, grad_accumulation), before and after lowering
+_PACK_SHARDS = (PACK_SHARDS, PACK_SHARDS_OP)
+_UNPACK_GATHERED = (UNPACK_GATHERED, UNPACK_GATHERED_OP)
+_PACK_GRADS = (PACK_GRADS, PACK_GRADS_OP)
+_UNPACK_GRAD_SHARD = (UNPACK_GRAD_SHARD, UNPACK_GRAD_SHARD_OP)
+_ACCUMULATION = (ACCUMULATE_UNSHARDED_GRADS, ACCUMULATE_OP, ADD_ACCUMULATED_GRADS, ADD_ACCUMULATED_OP)
+_BUFFER_OPS = frozenset(_PACK_SHARDS + _UNPACK_GATHERED + _PACK_GRADS + _UNPACK_GRAD_SHARD)
+_UNIT_OPS = _BUFFER_OPS | frozenset(_ACCUMULATION)
+
+
+def is_pack_shards(bsym) -> bool:
+    return _id(bsym) in _PACK_SHARDS
+
+
+def is_unpack_gathered(bsym) -> bool:
+    return _id(bsym) in _UNPACK_GATHERED
+
+
+def is_pack_grads(bsym) -> bool:
+    return _id(bsym) in _PACK_GRADS
+
+
+def is_unpack_grad_shard(bsym) -> bool:
+    return _id(bsym) in _UNPACK_GRAD_SHARD
+
+
+def is_unit_op(bsym) -> bool:
+    """One of the pass's ops that pack, unpack or accumulate a unit's buffer; its second argument is the
+    unit's name."""
+    return _id(bsym) in _UNIT_OPS
+
+
+def unit_of_op(bsym) -> str | None:
+    """The unit a pack, unpack or accumulation op works for (None for any other op)."""
+    return bsym.args[1] if is_unit_op(bsym) else None
 
 
 def is_unpack_parameter(bsym) -> bool:
@@ -186,8 +235,9 @@ def is_division(bsym) -> bool:
 
 
 def is_packing(bsym) -> bool:
-    """A shape op, concatenation, padding, division or cast: how a collective's flat buffer is built."""
-    return is_view_like(bsym) or _id(bsym) in _PACKING
+    """A shape op, concatenation, padding, division or cast, or one of the pass's pack and unpack ops: how a
+    collective's flat buffer is built, and taken apart."""
+    return is_view_like(bsym) or _id(bsym) in _PACKING or _id(bsym) in _BUFFER_OPS
 
 
 def collectives(trace) -> list:

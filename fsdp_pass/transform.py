@@ -16,14 +16,16 @@ Each compile is kept as one frozen :class:`~fsdp_pass.compiled_step.CompiledStep
 
 from __future__ import annotations
 
+import thunder
 from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
+from thunder.extend import get_executor
 
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.compiled_step import CompiledStep
 from fsdp_pass.errors import check
 from fsdp_pass.op_names import COMM_EXECUTOR
-from fsdp_pass.ops.grad_accumulation import REDUCE, GradAccumulators
+from fsdp_pass.ops.grad_accumulation import GradAccumulators
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
@@ -125,6 +127,7 @@ class FSDP(Transform):
     def transform_module(self, model) -> None:
         group = check_process_group(self.process_group)
         check_not_sharded_yet(model)
+        ensure_comm_executor(model)
         self.model = shard_module(
             model,
             group,
@@ -138,8 +141,6 @@ class FSDP(Transform):
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         grad_sync = (self.accumulators.mode(), self.accumulators)
-        if grad_sync[0] != REDUCE:
-            check_accumulation_executor(kwargs.get("executors_list", ()))
         prologue_trace, computation_trace, plan = rewrite_forward(
             prologue_trace, computation_trace, self.model, self.options, grad_sync
         )
@@ -177,7 +178,7 @@ class FSDP(Transform):
             name = prefix + k
             if name in sharding:
                 v = shard_tensor(v.to(self.model.device), sharding.param(name).layout, sharding.rank)
-                v = place_shard(v, self.model.shard_device, self.model.device)
+                v = place_shard(v, self.model.placed_on, self.model.device)
             out[k] = v
         return out
 
@@ -192,10 +193,11 @@ class FSDP(Transform):
         return out
 
 
-def check_accumulation_executor(executors) -> None:
-    """The accumulation ops run on the ``fsdp_comm`` executor only: say so before lowering fails."""
-    check(
-        any(getattr(ex, "name", None) == COMM_EXECUTOR for ex in executors),
-        f"Gradient accumulation (fsdp_pass.no_sync) needs the {COMM_EXECUTOR} executor, and it is not in executors=.",
-        "Jit with executors=fsdp_pass_executors.executors_for(device) (or put fsdp_pass_executors.comm_ex first).",
-    )
+def ensure_comm_executor(thunder_module) -> None:
+    """Put ``fsdp_comm`` first in the executor list the module compiles with (it is there already when the
+    list came from ``executors_for``): the pass's collectives, their pack and unpack ops and the
+    accumulation ops run on it, and only there are they kept out of fusion regions."""
+    comm = get_executor(COMM_EXECUTOR)  # registered when fsdp_pass is imported (fsdp_pass/__init__.py)
+    compile_data = thunder.compile_data(thunder_module)
+    others = tuple(ex for ex in compile_data.executors_list if ex is not comm)
+    compile_data.executors_list = (comm, *others)

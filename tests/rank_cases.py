@@ -9,6 +9,7 @@ import thunder
 import torch
 import torch.distributed as dist
 from fsdp_pass_executors import executors_for
+from thunder.extend import get_executor
 
 from fsdp_pass import FSDP, explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
 from fsdp_pass.op_names import REDUCE_SCATTER
@@ -19,22 +20,22 @@ from tests import models
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+    return float((a.to(b.device) - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
 def _norm_rel(ours, theirs) -> float:
     """|ours - theirs| / |theirs|, the tensors taken together as one vector."""
-    diff = sum(float((a - b).double().pow(2).sum()) for a, b in zip(ours, theirs))
+    diff = sum(float((a.to(b.device) - b).double().pow(2).sum()) for a, b in zip(ours, theirs))
     ref = sum(float(b.double().pow(2).sum()) for b in theirs)
     return (diff / max(ref, 1e-30)) ** 0.5
 
 
-def _reference_and_fsdp_model(model_name: str, strategy: str, **fsdp_kwargs):
-    """(the single-process reference, its FSDP-jitted copy, the FSDP transform)."""
-    reference = models.build(model_name)
-    jm = thunder.jit(
-        copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu")
-    )
+def _reference_and_fsdp_model(model_name: str, strategy: str, executor_names=None, device="cpu", **fsdp_kwargs):
+    """(the single-process reference, its FSDP-jitted copy, the FSDP transform), both on ``device``.
+    ``executor_names``: Thunder executors by name (default: executors_for(device))."""
+    reference = models.build(model_name).to(device)
+    executors = executors_for(device) if executor_names is None else [get_executor(n) for n in executor_names]
+    jm = thunder.jit(copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors)
     return reference, jm, fsdp_of(jm)
 
 
@@ -89,14 +90,17 @@ def parity(
     lr: float = 1e-2,
     compute_dtype=None,
     reduce_dtype=torch.float32,
+    executor_names=None,
+    device="cpu",
     **fsdp_kwargs,
 ):
     """Train the FSDP model and a single-process reference on the same global batches; report errors.
+    ``device``: where the model computes (``"cuda"``: gloo with CUDA tensors, every rank on one GPU).
 
     ``compute_dtype``, ``reduce_dtype``: the reference computes like ``MixedPrecision(compute_dtype,
     reduce_dtype)`` (pass the matching ``mixed_precision=`` in ``fsdp_kwargs``)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, **fsdp_kwargs)
+    reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, executor_names, device, **fsdp_kwargs)
     opt = torch.optim.AdamW(jm.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
     ref_params = dict(reference.named_parameters())
@@ -105,7 +109,7 @@ def parity(
     mixed = None if compute_dtype is None else _MixedPrecisionReference(reference, compute_dtype, reduce_dtype)
     loss_err, grad_err, norm_err, full_precision_err, losses, frozen_grads = [], [], [], [], [], []
     for step in range(steps):
-        x, y = models.batch(model_name, per_rank_batch * world_size, 0)  # one fixed batch: the loss must fall
+        x, y = (t.to(device) for t in models.batch(model_name, per_rank_batch * world_size, 0))  # one fixed batch
 
         ref_opt.zero_grad()
         if compute_dtype is None:
@@ -157,11 +161,14 @@ def parity(
         "param_rel_err": param_err,
         "losses": losses,
         "frozen_grads_present": any(frozen_grads),
+        "shard_devices": sorted({str(p.device) for p in jm.parameters()}),
+        "grad_devices": sorted({str(p.grad.device) for p in jm.parameters() if p.grad is not None}),
         "shard_numel": sum(p.numel() for p in jm.parameters()),
         "full_numel": sum(p.numel() for p in reference.parameters()),
         "unit_names": [u.name for u in fsdp.unit_plan.units],
         # where each collective is issued and waited for in this rank's final traces
         "schedule": [(r.phase, r.kind, r.unit, r.issued_at, r.waited_at) for r in fsdp.overlap_report().rows],
+        "exposed": [(r.phase, r.kind, r.unit) for r in fsdp.overlap_report().exposed()],
     }
 
 

@@ -132,9 +132,8 @@ def test_every_inserted_op_is_labelled_in_the_printed_traces():
         assert pack in forward
         assert f"# [fsdp] unit {u.name!r} all-gather: {len(u.params)} param(s)" in forward
         assert f"# [fsdp] wait: unit {u.name!r} all-gather" in forward
-        for p in u.params:
-            cut = f"cut out {p}" if many else f"{p} is a view of the gathered buffer"
-            assert f"# [fsdp] unit {u.name!r}: {cut}" in forward, cut
+        cut = f"cut out {', '.join(u.params)}" if many else f"{u.params[0]} is a view of the gathered buffer"
+        assert f"# [fsdp] unit {u.name!r}: {cut}" in forward, cut
         assert f"# [fsdp] unit {u.name!r} reduce-scatter grads" in backward
         assert f"# [fsdp] wait: unit {u.name!r} reduce-scatter grads" in backward
         assert f"# [fsdp] unit {u.name!r}: divide the gradient shard by the world size 4" in backward

@@ -11,7 +11,15 @@ import torch
 
 from fsdp_pass import FSDPError, MixedPrecision
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.predicates import is_all_gather, is_conversion, is_division, is_reduce_scatter, is_wait
+from fsdp_pass.predicates import (
+    is_all_gather,
+    is_bookkeeping,
+    is_pack_grads,
+    is_pack_shards,
+    is_reduce_scatter,
+    is_unpack_grad_shard,
+    is_wait,
+)
 from fsdp_pass.report.step_stats import step_stats
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from tests import explain_cases, models, rank_cases
@@ -50,9 +58,9 @@ def test_the_shard_is_cast_before_its_gather(runs):
         gathers = [b for b in trace.bound_symbols if is_all_gather(b)]
         assert gathers
         for g in gathers:
-            cast = producers[g.flat_proxy_args[0].name]
-            assert is_conversion(cast), cast
-            assert str(cast.flat_proxy_args[0].dtype) == "thunder.dtypes.float32"
+            cast = producers[g.flat_proxy_args[0].name]  # the op that packs the shards casts them too
+            assert is_pack_shards(cast), cast
+            assert {str(s.dtype) for s in cast.args[0]} == {"thunder.dtypes.float32"}
             assert str(g.flat_proxy_args[0].dtype) == "thunder.dtypes.bfloat16"
             assert "cast the shards from float32 to bfloat16 before the all-gather" in str(cast.header)
     # the reduce-scatter runs in the reduce dtype: float32 by default
@@ -72,16 +80,21 @@ def test_compute_runs_in_bf16(runs):
 
 
 def _divisions_around_reduce_scatters(trace):
-    """(divisions feeding a reduce-scatter, divisions reading a reduce-scatter's wait), per reduce-scatter."""
+    """(whether the op packing each reduce-scatter's buffer divides it, whether the op unpacking its result
+    divides that), per reduce-scatter."""
     producers = {b.output.name: b for b in trace.bound_symbols if hasattr(b.output, "name")}
     readers = {}
     for b in trace.bound_symbols:
         for p in b.flat_proxy_args:
             readers.setdefault(p.name, []).append(b)
     scatters = [b for b in trace.bound_symbols if is_reduce_scatter(b)]
-    before = [is_division(producers[s.flat_proxy_args[0].name]) for s in scatters]
+    packs = [producers[s.flat_proxy_args[0].name] for s in scatters]
+    assert all(is_pack_grads(p) for p in packs)
+    before = [p.args[5] for p in packs]  # pack_grads(grads, unit, shapes, world size, dtype, divide_first)
     (waits,) = zip(*[[w for w in readers[s.output.name] if is_wait(w)] for s in scatters])
-    after = [any(is_division(r) for r in readers[w.output.name]) for w in waits]
+    unpacks = [r for w in waits for r in readers[w.output.name] if not is_bookkeeping(r)]
+    assert len(unpacks) == len(waits) and all(is_unpack_grad_shard(u) for u in unpacks)
+    after = [u.args[4] for u in unpacks]  # unpack_grad_shard(local, unit, shapes, world size, divide, ...)
     return before, after
 
 

@@ -30,12 +30,17 @@ def test_accumulation_matches_one_big_batch(ranks):
     assert all(x["reduce_scatters_per_micro_batch"] == r["reduce_scatters_per_micro_batch"] for x in results)
 
 
-def test_no_sync_needs_the_comm_executor():
+def test_the_comm_executor_is_put_first_when_the_list_lacks_it():
+    """The accumulation ops (and the collectives, and their pack and unpack ops) run on fsdp_comm only:
+    FSDP puts it first in a list that lacks it, so no_sync works with any executor list."""
     with fake_process_group(2):
         jm = thunder.jit(models.build("mlp"), transforms=[FSDP("zero2")], executors=[thunder.extend.get_executor("torch")])
+        names = [e.name for e in thunder.compile_data(jm).executors_list]
+        assert names[0] == "fsdp_comm" and "torch" in names
         x, _ = models.batch("mlp", 2, 0)
-        with no_sync(jm), pytest.raises(FSDPError, match="fsdp_comm"):
-            jm(x)
+        with no_sync(jm):
+            jm(x).sum().backward()
+        assert "fsdp_accumulate_unsharded_grads(" in str(thunder.last_backward_traces(jm)[-1])
 
 
 def test_no_sync_on_a_model_without_fsdp():

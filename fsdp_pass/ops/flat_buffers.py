@@ -1,62 +1,102 @@
-"""Flat buffers: how a unit's tensors are laid out in the one buffer its collective sends.
+"""The four ops around a unit's collectives: how its tensors go into the one buffer a collective moves, and out.
 
-Written in Thunder's torch-level ops, so the layout shows in the printed traces:
+- ``pack_shards(shards, unit, dtype, device)``: this rank's shards, flattened and concatenated into the
+  buffer its all-gather sends; cast to ``dtype`` (mixed precision) and copied to ``device`` (offload) in the
+  same op. One shard, no cast and no copy: a view of it.
+- ``unpack_gathered(gathered, unit, full_shapes, world_size)``: the rank-major gathered buffer (all of rank
+  0's part of every parameter, then rank 1's, ...) cut into the full parameters, padding rows dropped; one
+  copy-out per unit (a one-parameter unit is a view of the buffer).
+- ``pack_grads(grads, unit, full_shapes, world_size, dtype, divide_first)``: full gradients laid out rank-major
+  with zero padding rows, in the reduce ``dtype``: the buffer the reduce-scatter reads (divided by the world
+  size first when ``divide_first``, as float16 needs).
+- ``unpack_grad_shard(local, unit, shard_shapes, world_size, divide, dtype, device)``: the reduce-scatter's
+  part for this rank, divided by the world size (unless already), cast to the shards' ``dtype`` and copied to
+  their ``device``, cut into the shard gradients.
 
-- ``pack_flat`` / ``cut_flat``: this rank's shards, flattened and concatenated (what an all-gather sends);
-- ``flat_rank_major`` / ``cut_rank_major``: full tensors, zero-padded on dim 0 and laid out rank-major (all of
-  rank 0's rows of every tensor, then rank 1's, ...): what an all-gather returns and a reduce-scatter reads.
+They are single ops on purpose. A fusion executor (nvFuser, Thunder's torchcompile) claims every op it can
+between two it cannot; written as torch-level ops, the packing of unit k+1 would be fused into unit k's
+compute (so its all-gather could start only when that ends), and the division of a reduced shard into the
+next compute (so its wait would come right after the reduce-scatter). Claimed by ``fsdp_comm`` instead
+(:mod:`fsdp_pass_executors.buffers`), they stay where the scheduling pass puts them, under any executor
+list. Each takes its unit's name, so its label (and that of the collective it feeds) is read off the op
+itself in the final trace. The meta functions here give shapes, dtypes and devices; the torch code is
+the executor's.
 """
 
 from __future__ import annotations
 
-import thunder.torch as ltorch
+from thunder.core import devices, prims
+from thunder.core.proxies import TensorProxy
 
+from fsdp_pass.op_names import PACK_GRADS, PACK_SHARDS, UNPACK_GATHERED, UNPACK_GRAD_SHARD
 from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.predicates import is_pack_grads, is_pack_shards, is_unpack_gathered, is_unpack_grad_shard
 
 
-def layouts_of(full_shapes, world_size):
+def layouts_of(full_shapes, world_size: int) -> list[ShardLayout]:
     return [ShardLayout(tuple(s), world_size) for s in full_shapes]
 
 
-def flat_rank_major(tensors, layouts, world_size):
-    """Lay padded row-major tensors out as one flat buffer: all of rank 0's rows, then rank 1's..."""
-    if len(tensors) == 1:
-        return ltorch.reshape(tensors[0], (-1,))
-    columns = [ltorch.reshape(t, (world_size, lay.shard_numel)) for t, lay in zip(tensors, layouts)]
-    return ltorch.reshape(ltorch.cat(columns, 1), (-1,))
+def _device(device):
+    return None if device is None else devices.to_device(device)
 
 
-def drop_padding(padded, lay: ShardLayout):
-    """A parameter's ``padded_rows`` rows (a flat buffer or a column of one) -> the parameter."""
-    padded = ltorch.reshape(padded, (lay.padded_rows, *lay.shape[1:]))
-    full = padded if lay.padding_rows == 0 else ltorch.getitem(padded, slice(0, lay.rows))
-    return full if lay.shape else ltorch.reshape(full, ())
+def _pack_shards_meta(shards, unit: str, dtype, device) -> TensorProxy:
+    numel = sum(s.numel for s in shards)
+    return TensorProxy(like=shards[0], shape=(numel,), dtype=dtype or shards[0].dtype,
+                       device=_device(device) or shards[0].device)
 
 
-def cut_rank_major(flat, layouts, world_size):
-    """Inverse of :func:`flat_rank_major` followed by dropping the padding rows."""
-    if len(layouts) == 1:
-        return [drop_padding(flat, layouts[0])]
-    matrix = ltorch.reshape(flat, (world_size, sum(lay.shard_numel for lay in layouts)))
-    out, offset = [], 0
-    for lay in layouts:
-        out.append(drop_padding(ltorch.getitem(matrix, (slice(None), slice(offset, offset + lay.shard_numel))), lay))
-        offset += lay.shard_numel
-    return out
+def _unpack_gathered_meta(gathered, unit: str, full_shapes, world_size: int) -> tuple:
+    return tuple(TensorProxy(like=gathered, shape=tuple(s)) for s in full_shapes)
 
 
-def pack_flat(shards):
-    """This rank's shards, flattened and concatenated: the buffer its all-gather sends."""
-    flat = [ltorch.reshape(s, (-1,)) for s in shards]
-    return flat[0] if len(flat) == 1 else ltorch.cat(flat, 0)
+def _pack_grads_meta(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: bool) -> TensorProxy:
+    numel = world_size * sum(lay.shard_numel for lay in layouts_of(full_shapes, world_size))
+    return TensorProxy(like=grads[0], shape=(numel,), dtype=dtype or grads[0].dtype)
 
 
-def cut_flat(flat, layouts):
-    """Split one rank's flat buffer into its shards (no padding to drop: shards keep theirs)."""
-    if len(layouts) == 1:
-        return [ltorch.reshape(flat, layouts[0].shard_shape)]
-    out, offset = [], 0
-    for lay in layouts:
-        out.append(ltorch.reshape(ltorch.getitem(flat, slice(offset, offset + lay.shard_numel)), lay.shard_shape))
-        offset += lay.shard_numel
-    return out
+def _unpack_grad_shard_meta(local, unit: str, shard_shapes, world_size: int, divide: bool, dtype, device) -> tuple:
+    return tuple(
+        TensorProxy(like=local, shape=tuple(s), dtype=dtype or local.dtype, device=_device(device) or local.device)
+        for s in shard_shapes
+    )
+
+
+pack_shards = prims.make_prim(PACK_SHARDS, "pack_shards", meta=_pack_shards_meta)
+unpack_gathered = prims.make_prim(UNPACK_GATHERED, "unpack_gathered", meta=_unpack_gathered_meta)
+pack_grads = prims.make_prim(PACK_GRADS, "pack_grads", meta=_pack_grads_meta)
+unpack_grad_shard = prims.make_prim(UNPACK_GRAD_SHARD, "unpack_grad_shard", meta=_unpack_grad_shard_meta)
+
+
+def allocated_bytes(bsym, out) -> int:
+    """Bytes of the new buffer that output ``out`` of one of these ops is: a parameter copied out of a gathered
+    buffer keeps its padding rows (the op returns a view of the unpadded prefix)."""
+    if is_unpack_gathered(bsym):
+        _, _, full_shapes, world_size = bsym.args
+        lay = layouts_of(full_shapes, world_size)[[o.name for o in bsym.flat_proxy_outs].index(out.name)]
+        return lay.padded_rows * lay.row_numel * out.dtype.bytes
+    return int(out.numel) * out.dtype.bytes
+
+
+def views_of_inputs(bsym) -> dict[str, object]:
+    """Output name -> the input proxy it is a view of, for the outputs of these ops that allocate nothing
+    (what the memory model needs: everything else they return is a new buffer)."""
+    args, outs = bsym.args, bsym.flat_proxy_outs
+    if is_pack_shards(bsym):
+        shards, _, dtype, device = args
+        same = len(shards) == 1 and dtype in (None, shards[0].dtype) and _device(device) in (None, shards[0].device)
+        return {outs[0].name: shards[0]} if same else {}
+    if is_unpack_gathered(bsym):
+        return {outs[0].name: args[0]} if len(outs) == 1 else {}
+    if is_pack_grads(bsym):
+        grads, _, full_shapes, world_size, dtype, divide_first = args
+        (lay, *more) = layouts_of(full_shapes, world_size)
+        same = not more and not lay.padding_rows and dtype in (None, grads[0].dtype) and not divide_first
+        return {outs[0].name: grads[0]} if same else {}
+    if is_unpack_grad_shard(bsym):
+        local, _, _, _, _, dtype, device = args
+        same = dtype in (None, local.dtype) and _device(device) in (None, local.device)
+        return {o.name: local for o in outs} if same else {}
+    return {}
+

@@ -12,7 +12,7 @@ the block adds the accumulators to its own gradients, empties them and reduce-sc
    Thunder's cache picks the variant compiled for the current mode and compiles a new one on a miss.
 3. The backward of the ``"accumulate"`` variant ends each unit with :data:`accumulate_unsharded_grads`; the
    ``"flush"`` variant calls :data:`add_accumulated_grads` right before the reduce-scatter. Both take the
-   transform's accumulators and the unit's name.
+   unit's name and the transform's accumulators.
 
 A guard against the silent mistake: ``optimizer.step()`` while gradients are still in the accumulators
 (inside the block, or after it but before a synchronized backward) would step on no gradient and fold
@@ -122,11 +122,11 @@ def _step_guard_of(accumulators: GradAccumulators):
 # --- the ops (meta here; implementations in fsdp_pass_executors.accumulation) ---
 
 
-def _accumulate_meta(flat: TensorProxy, accumulators: GradAccumulators, unit: str) -> None:
+def _accumulate_meta(flat: TensorProxy, unit: str, accumulators: GradAccumulators) -> None:
     return None
 
 
-def _add_accumulated_meta(flat: TensorProxy, accumulators: GradAccumulators, unit: str) -> TensorProxy:
+def _add_accumulated_meta(flat: TensorProxy, unit: str, accumulators: GradAccumulators) -> TensorProxy:
     return TensorProxy(like=flat)
 
 
@@ -142,11 +142,11 @@ add_accumulated_grads = prims.make_prim(
 )
 
 
-def accumulate_impl(flat, accumulators: GradAccumulators, unit: str) -> None:
+def accumulate_impl(flat, unit: str, accumulators: GradAccumulators) -> None:
     accumulators.add(unit, flat)
 
 
-def add_accumulated_impl(flat, accumulators: GradAccumulators, unit: str):
+def add_accumulated_impl(flat, unit: str, accumulators: GradAccumulators):
     return accumulators.take(unit, flat)
 
 

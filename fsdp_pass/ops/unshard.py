@@ -1,25 +1,23 @@
 """``unshard_unit``: the op the pass inserts before a unit's first use, and its gradient rule.
 
-Forward (what the symbol decomposes into, readable in the printed trace):
-  1. pack: the unit's local shards, flattened and concatenated into one flat buffer;
-  2. offload only: that buffer copied from where the shards live (the CPU) to the compute device;
-  3. mixed precision only: that buffer cast to ``param_dtype``, so the gather moves fewer bytes;
-  4. ``all_gather`` of that buffer (async) and its ``wait``;
-  5. unpack: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
+Forward (what the symbol decomposes into, readable in the printed trace; the ops around the collective are
+those of :mod:`fsdp_pass.ops.flat_buffers`, which no fusion executor absorbs):
+  1. ``pack_shards``: the unit's local shards in one flat buffer, cast to ``param_dtype`` (mixed precision:
+     the gather moves fewer bytes) and copied to the compute device (offload), in one op;
+  2. ``all_gather`` of that buffer (async) and its ``wait``;
+  3. ``unpack_gathered``: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
 
 Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thunder derives it):
-  1. each trainable parameter's full gradient padded with zero rows and laid out rank-major;
-  2. one flat buffer, cast to ``reduce_dtype`` if set;
-  3. ``grad_sync=("accumulate", accumulators)`` (inside :func:`fsdp_pass.no_sync`): the buffer is added
+  1. ``pack_grads``: each trainable parameter's full gradient, zero-padded and laid out rank-major in one
+     flat buffer in ``reduce_dtype`` (divided by the world size first in float16: a sum of N float16
+     gradients can overflow its range, 65504, where bfloat16 and float32 have room);
+  2. ``grad_sync=("accumulate", accumulators)`` (inside :func:`fsdp_pass.no_sync`): the buffer is added
      to the unit's unsharded accumulator and the step ends there, with no collective;
      ``("flush", accumulators)`` (the first step after accumulating): the accumulator is added to the
      buffer and emptied;
-  4. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the sum of its own shard's part;
-  5. divided by the world size: the mean over ranks, computed on the shard (1/N of the buffer). Only
-     in float16 is the full buffer divided *before* the reduce-scatter: a sum of N float16 gradients
-     can overflow its range (65504), where bfloat16 and float32 have room;
-  6. cast back to the shards' dtype and, offload only, copied back to where the shards live;
-  7. the shard gradients cut out of it.
+  3. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the sum of its own shard's part;
+  4. ``unpack_grad_shard``: that part divided by the world size (the mean over ranks, on 1/N of the
+     buffer), cast back to the shards' dtype, copied to where the shards live, cut into the shard gradients.
 
 ZeRO-3 needs no extra op: the pass tags the forward ``unshard_unit`` with
 ``RECOMPUTE_IN_BACKWARD``, so Thunder's autodiff re-issues the all-gather in the backward instead of
@@ -30,35 +28,20 @@ from __future__ import annotations
 
 import thunder.torch as ltorch
 from thunder.core import dtypes
-from thunder.core.symbol import Symbol, bsym_header
+from thunder.core.symbol import Symbol
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
 
-from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER, UNSHARD_UNIT
-from fsdp_pass.ops.flat_buffers import cut_flat, cut_rank_major, flat_rank_major, layouts_of, pack_flat
+from fsdp_pass.op_names import UNSHARD_UNIT
+from fsdp_pass.ops.flat_buffers import pack_grads, pack_shards, unpack_grad_shard, unpack_gathered
 from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
-from fsdp_pass.text import collective_label
-
-
-def _describe(unit_name, kind, layouts, itemsize, world_size):
-    shard_numel = sum(lay.shard_numel for lay in layouts)
-    padding = sum(lay.padding_numel for lay in layouts)
-    return collective_label(unit_name, kind, len(layouts), shard_numel * itemsize, world_size, padding)
 
 
 def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None):
-    world_size = group.size()
-    layouts = layouts_of(full_shapes, world_size)
-    flat = pack_flat(shards)
-    if compute_device is not None:
-        with bsym_header(f"[fsdp] unit {unit_name!r}: copy the shards from {flat.device} to {compute_device}"):
-            flat = ltorch.to(flat, compute_device, copy=True)
-    if param_dtype is not None and param_dtype != flat.dtype:
-        with bsym_header(f"[fsdp] unit {unit_name!r}: cast the shards to {param_dtype} before the gather"):
-            flat = ltorch.to(flat, param_dtype)
-    with bsym_header(_describe(unit_name, ALL_GATHER, layouts, flat.dtype.bytes, world_size)):
-        gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
-    return cut_rank_major(gathered, layouts, world_size)
+    cast = param_dtype if param_dtype is not None and param_dtype != shards[0].dtype else None
+    flat = pack_shards(shards, unit_name, cast, compute_device)
+    gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
+    return unpack_gathered(gathered, unit_name, tuple(tuple(s) for s in full_shapes), group.size())
 
 
 def unshard_unit_meta(
@@ -75,26 +58,10 @@ unshard_unit = Symbol(
 )
 
 
-def _flat_grads(grads, layouts, world_size, reduce_dtype):
-    """Full gradients -> one rank-major flat buffer (zero padding rows), in ``reduce_dtype`` if set."""
-    same_dtype = all(g.dtype == grads[0].dtype for g in grads)
-    if reduce_dtype is not None and not same_dtype:
-        grads = [ltorch.to(g, reduce_dtype) for g in grads]  # one dtype before packing
-    padded = []
-    for g, lay in zip(grads, layouts):
-        rows = ltorch.reshape(g, (lay.rows, lay.row_numel))
-        if lay.padding_rows:
-            rows = ltorch.pad(rows, (0, 0, 0, lay.padding_rows))
-        padded.append(rows)
-    flat = flat_rank_major(padded, layouts, world_size)
-    if reduce_dtype is not None and flat.dtype != reduce_dtype:
-        flat = ltorch.to(flat, reduce_dtype)  # packed first: the cast copies once, from the smaller dtype
-    return flat
-
-
 def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype=None, grad_sync=None):
-    """Average full gradients over ranks and give each rank its shard's part (one reduce-scatter, then
-    a division of that part by the world size; in float16 the division comes first).
+    """Sum full gradients over ranks, each rank keeping its shard's part (one reduce-scatter): the flat,
+    padded, rank-major buffer it reads (divided by the world size first in float16), or None when
+    ``grad_sync`` accumulates instead; then the reduced part.
 
     ``grad_sync``: None (reduce now), or ``(mode, accumulators)`` with mode ``"accumulate"`` (add to the
     unit's accumulator and return None: no collective) or ``"flush"`` (add the unit's accumulator, empty
@@ -102,22 +69,17 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype
     :class:`~fsdp_pass.ops.grad_accumulation.GradAccumulators`.
     """
     world_size = group.size()
-    layouts = layouts_of(full_shapes, world_size)
-    flat = _flat_grads(grads, layouts, world_size, reduce_dtype)
+    dtype = reduce_dtype or grads[0].dtype
+    divide_first = dtype in _OVERFLOWING_SUMS  # a sum of averages stays in range
+    flat = pack_grads(grads, unit_name, tuple(tuple(s) for s in full_shapes), world_size, reduce_dtype, divide_first)
     if grad_sync is not None:
         mode, accumulators = grad_sync
         if mode == ACCUMULATE:
-            with bsym_header(f"[fsdp] unit {unit_name!r}: no_sync: add the unsharded gradients to its accumulator"):
-                accumulate_unsharded_grads(flat, accumulators, unit_name)
+            accumulate_unsharded_grads(flat, unit_name, accumulators)
             return None
-        with bsym_header(f"[fsdp] unit {unit_name!r}: add the gradients accumulated under no_sync (and empty them)"):
-            flat = add_accumulated_grads(flat, accumulators, unit_name)
-    divide_first = flat.dtype in _OVERFLOWING_SUMS
-    if divide_first:  # a sum of averages stays in range
-        flat = ltorch.true_divide(flat, world_size)
-    with bsym_header(_describe(unit_name, REDUCE_SCATTER, layouts, flat.dtype.bytes, world_size)):
-        local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
-    return local if divide_first else ltorch.true_divide(local, world_size)
+        flat = add_accumulated_grads(flat, unit_name, accumulators)
+    local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
+    return local, divide_first
 
 
 # dtypes in which the sum of N gradients can overflow, so the reduce-scatter sums averages instead
@@ -146,17 +108,18 @@ def _unshard_unit_grad(
     if not trainable:
         return fulls
     grads = [_reduce_scalar_grad(get_grad(fulls[i]), full_shapes[i]) for i in trainable]
-    shapes = [full_shapes[i] for i in trainable]
-    local = reduce_scatter_grads(grads, group, unit_name, shapes, reduce_dtype, grad_sync)
-    if local is None:  # accumulated, not reduced: the shards get no gradient this step
+    reduced = reduce_scatter_grads(grads, group, unit_name, [full_shapes[i] for i in trainable], reduce_dtype, grad_sync)
+    if reduced is None:  # accumulated, not reduced: the shards get no gradient this step
         return fulls
-    home = shards[trainable[0]]
-    if local.dtype != home.dtype:
-        local = ltorch.to(local, home.dtype)  # the optimizer steps on the shards' dtype (the master weights)
-    if compute_device is not None:
-        with bsym_header(f"[fsdp] unit {unit_name!r}: copy the shard gradients back to {home.device}"):
-            local = ltorch.to(local, home.device, copy=True)
-    for i, g in zip(trainable, cut_flat(local, layouts_of(shapes, group.size()))):
+    local, divided = reduced
+    home = shards[trainable[0]]  # the optimizer steps on the shards' dtype and device (the master weights)
+    shard_shapes = tuple(tuple(shards[i].shape) for i in trainable)
+    shard_grads = unpack_grad_shard(
+        local, unit_name, shard_shapes, group.size(), not divided,
+        None if home.dtype == local.dtype else home.dtype,
+        None if compute_device is None else home.device.device_str(),
+    )
+    for i, g in zip(trainable, shard_grads):
         put_grad(shards[i], g)
     return fulls
 

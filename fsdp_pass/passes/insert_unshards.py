@@ -12,7 +12,9 @@
 
 Options carried by each ``unshard_unit`` (see :mod:`fsdp_pass.ops.unshard`): the gather and reduce dtypes
 of a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, the compute device when the shards are
-offloaded, and the gradient-sync mode ``(mode, accumulators)`` of :mod:`fsdp_pass.ops.grad_accumulation`.
+offloaded (the sharded arguments then live on the offload device, while the trace the module's code made
+computes on the compute device), and the gradient-sync mode ``(mode, accumulators)`` of
+:mod:`fsdp_pass.ops.grad_accumulation`.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import is_return, is_unpack_trivial
 
 
-def sharded_arg_proxies(trace, plan: UnitPlan) -> dict:
-    """variableified full-shape argument -> proxy of the same name with the shard's shape."""
+def sharded_arg_proxies(trace, plan: UnitPlan, shard_device=None) -> dict:
+    """variableified full-shape argument -> proxy of the same name with the shard's shape (and, offloaded,
+    the device the shards live on)."""
     param_of_arg = plan.param_of_arg
     swap = {}
     for a in trace.args:
         if getattr(a, "name", None) in param_of_arg:
             spec = plan.sharding.param(param_of_arg[a.name])
-            swap[variableify(a)] = with_shape(a, spec.layout.shard_shape)
+            swap[variableify(a)] = with_shape(a, spec.layout.shard_shape, shard_device)
     return swap
 
 
@@ -78,10 +81,13 @@ def insert_unshards(
     *,
     precision: MixedPrecision = FULL_PRECISION,
     compute_device: str | None = None,
+    shard_device: str | None = None,
     grad_sync: tuple = (REDUCE, None),
 ):
-    """``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode this trace is compiled for."""
-    sharded = sharded_arg_proxies(trace, plan)
+    """``compute_device``, ``shard_device``: where the step computes and where the shards live, when the
+    shards are offloaded (None otherwise); ``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode
+    this trace is compiled for."""
+    sharded = sharded_arg_proxies(trace, plan, shard_device)
     arg_of_param = {param: arg for arg, param in plan.param_of_arg.items()}
     unit_of_arg = {arg_of_param[p]: u for u in plan.units for p in u.params}
     sharded_by_name = {v.proxy.name: s for v, s in sharded.items()}

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from thunder.core import devices
 from thunder.core.trace import TraceCtx, tracectx
 
 
-def with_shape(proxy, shape):
-    """A copy of ``proxy`` (same name) with another shape: the sharded view of a parameter argument.
+def with_shape(proxy, shape, device=None):
+    """A copy of ``proxy`` (same name) with another shape, and another device if given: the shard of a
+    parameter argument (on the offload device when offloading).
 
     Built in a scratch trace so the name is not registered twice in the trace being rewritten.
     """
+    changes = {"shape": tuple(shape)}
+    if device is not None:
+        changes["device"] = devices.to_device(device)
     with tracectx(TraceCtx(None)):
-        return proxy.replace(shape=tuple(shape))
+        return proxy.replace(**changes)

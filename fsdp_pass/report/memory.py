@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
 
+from fsdp_pass.ops.flat_buffers import allocated_bytes, views_of_inputs
 from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
@@ -41,6 +42,8 @@ from fsdp_pass.predicates import (
     is_reshape,
     is_return,
     is_slice,
+    is_unit_op,
+    is_unpack_gathered,
     is_view_like,
     is_wait,
 )
@@ -117,9 +120,9 @@ class _Buffers:
                 self.size[buf.name], self.kind[buf.name] = buf.nbytes, saved_kind
                 self.start[buf.name] = self.last[buf.name] = -1
 
-    def new(self, proxy, i: int, kind: str = OTHER) -> None:
+    def new(self, proxy, i: int, kind: str = OTHER, nbytes: int | None = None) -> None:
         self.share(proxy.name, proxy.name, True)
-        self.size[proxy.name], self.kind[proxy.name] = tensor_bytes(proxy), kind
+        self.size[proxy.name], self.kind[proxy.name] = tensor_bytes(proxy) if nbytes is None else nbytes, kind
         self.start[proxy.name] = self.last[proxy.name] = i
 
     def share(self, name: str, buffer: str, contiguous: bool) -> None:
@@ -156,6 +159,20 @@ class _Buffers:
         for o in b.flat_proxy_outs:
             self.share(o.name, self.buffer_of[src.name], _contiguous_after(b, self.contiguous[src.name], src.shape))
 
+    def unit_op(self, b, i: int) -> None:
+        """The pass's pack and unpack ops: some outputs are views of an input, the rest new buffers (the
+        parameters cut out of a gathered buffer are gathered parameters)."""
+        views = views_of_inputs(b)
+        kind = GATHERED if is_unpack_gathered(b) else OTHER
+        for o in b.flat_proxy_outs:
+            if not isinstance(o, TensorProxy):
+                continue
+            src = views.get(o.name)
+            if src is not None and src.name in self.buffer_of:
+                self.share(o.name, self.buffer_of[src.name], True)
+            elif src is None:
+                self.new(o, i, kind, allocated_bytes(b, o))
+
     def op(self, b, i: int) -> None:
         """Step ``i`` of the trace: bound symbol ``b``."""
         read = self.read(b, i)
@@ -170,6 +187,8 @@ class _Buffers:
         elif is_view_like(b):
             if len(read) == 1:  # else a view of something not followed (a parameter shard, the input batch)
                 self.view(b, read[0], i)
+        elif is_unit_op(b):
+            self.unit_op(b, i)
         else:
             for o in b.flat_proxy_outs:
                 if isinstance(o, TensorProxy):

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from fsdp_pass.compiled_step import CompiledStep
 from fsdp_pass.op_names import CollectiveKind
 from fsdp_pass.passes.collective_groups import graph, unpacking_group
-from fsdp_pass.predicates import collective_kind, is_all_gather, is_bookkeeping, is_collective, is_view_like, is_wait
+from fsdp_pass.predicates import (
+    collective_kind,
+    is_all_gather,
+    is_bookkeeping,
+    is_collective,
+    is_unit_op,
+    is_view_like,
+    is_wait,
+)
 from fsdp_pass.text import format_table, human_bytes
 
 
@@ -52,8 +60,9 @@ def estimated_flops(bsym) -> int:
 
 
 def is_compute(bsym) -> bool:
-    """An op that does work on the device: not bookkeeping, not a view, not communication."""
-    return not (is_bookkeeping(bsym) or is_view_like(bsym) or is_collective(bsym) or is_wait(bsym))
+    """An op that does the model's work on the device: not bookkeeping, not a view, not communication, not one
+    of the pass's ops that pack, unpack or accumulate a unit's buffer."""
+    return not (is_bookkeeping(bsym) or is_view_like(bsym) or is_collective(bsym) or is_wait(bsym) or is_unit_op(bsym))
 
 
 @dataclass(frozen=True)

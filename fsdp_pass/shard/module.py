@@ -74,6 +74,7 @@ class ShardedModel:
     tree: ModuleTree | None = None  # the module tree the unit policy reads (None: every parameter under the root)
     device: torch.device | None = None  # where the step computes
     shard_device: torch.device | None = None  # where the shards live between uses: offload_to, else device
+    placed_on: torch.device | None = None  # where the shard tensors are: shard_device, or meta in a dry run
 
 
 def sharding_plan(thunder_module, group, strategy: Strategy) -> ShardingPlan:
@@ -118,8 +119,8 @@ def _shard_parameters(thunder_module, sharding: ShardingPlan, group, device, sha
         shard = torch.nn.Parameter(local, requires_grad=spec.requires_grad)
         for n2 in shared[spec.name]:
             thunder_module._overrides_parameters[n2] = shard
-        if release:
-            _release(thunder_module._model, shared[spec.name], shard_device)
+        if release:  # traced on the compute device: the module's code computes there
+            _release(thunder_module._model, shared[spec.name], device)
 
 
 def shard_module(
@@ -128,8 +129,7 @@ def shard_module(
     """Shard ``thunder_module``'s parameters over ``group`` (steps 3-6 of the module docstring)."""
     original = thunder_module._model
     device = resolve_device(original, device)
-    # a dry run (meta device) allocates nothing, offloaded or not; its traces still show the copies
-    shard_device = device if offload_to is None or device.type == "meta" else torch.device(offload_to)
+    shard_device = device if offload_to is None else torch.device(offload_to)
     if device.type != "meta" and any(t.is_meta for t in list(original.parameters()) + list(original.buffers())):
         _materialize(original, device)  # on the meta device itself (a dry run) nothing is allocated
         # to_empty made new tensors: point the ThunderModule at them
@@ -140,8 +140,10 @@ def shard_module(
     _check_broadcast_source(broadcast_from, sharding.world_size)
     with torch.no_grad():
         _replicate_buffers(thunder_module, group, device, broadcast_from)
-        _shard_parameters(thunder_module, sharding, group, device, shard_device, broadcast_from, release_originals)
-    return ShardedModel(sharding, group, tree, device, shard_device)
+        # a dry run (meta device) allocates nothing, offloaded or not; its traces still show the copies
+        placed_on = device if device.type == "meta" else shard_device
+        _shard_parameters(thunder_module, sharding, group, device, placed_on, broadcast_from, release_originals)
+    return ShardedModel(sharding, group, tree, device, shard_device, placed_on)
 
 
 def place_shard(shard: torch.Tensor, shard_device: torch.device, device: torch.device) -> torch.Tensor:

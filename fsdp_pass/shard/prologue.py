@@ -30,7 +30,7 @@ def shard_prologue(prologue, sharding: ShardingPlan, device, grad_sync: tuple):
     for bsym in prologue.bound_symbols:
         if is_unpack_parameter(bsym) and bsym.args[1] in sharding:
             out = bsym.output
-            swap[variableify(out)] = with_shape(out, sharding.param(bsym.args[1]).layout.shard_shape)
+            swap[variableify(out)] = with_shape(out, sharding.param(bsym.args[1]).layout.shard_shape, device)
 
     new = from_trace(prologue)
     for bsym in prologue.bound_symbols:

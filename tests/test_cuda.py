@@ -1,0 +1,39 @@
+"""Tier 3, when a GPU is there (skipped without one): the same step on CUDA tensors, against one process.
+
+Two gloo ranks share the one GPU (gloo carries CUDA tensors through the host), each jitted with
+``executors_for("cuda")``: ``fsdp_comm``, Thunder's sdpa executor, a fusion executor (nvFuser, else Thunder's
+torchcompile), torch. Each run checks the loss and the gradients against a single process on the GPU, that
+the schedule survives the fusion (only the first forward all-gather has no compute before its wait), and
+with ``offload_to="cpu"`` that the shards and their gradients stay on the host while the step computes on
+the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_pass.op_names import ALL_GATHER
+from tests import rank_cases
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="tier 3: needs a CUDA GPU")
+
+CASES = {
+    "zero3": ("zero3", {}),
+    "zero2": ("zero2", {}),
+    "zero3 offloaded": ("zero3", {"offload_to": "cpu"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_cuda_step_trains_like_one_process(ranks, case):
+    strategy, options = CASES[case]
+    results = ranks(2).run(rank_cases.parity, "llama_gqa", strategy, steps=3, device="cuda", **options)
+    r = results[0]
+    assert r["loss_rel_err"] < 1e-4 and r["grad_norm_rel_err"] < 1e-4, r
+    assert all(x["losses"] == r["losses"] for x in results)
+    first_gather = next(row[:3] for row in r["schedule"] if row[1] is ALL_GATHER)
+    assert [e for e in r["exposed"] if e[0] == "forward"] == [first_gather], r["exposed"]
+    host = "offload_to" in options
+    assert r["shard_devices"] == (["cpu"] if host else ["cuda:0"]), r["shard_devices"]
+    assert r["grad_devices"] == r["shard_devices"], r["grad_devices"]
