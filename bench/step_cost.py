@@ -1,0 +1,76 @@
+"""The pass's own step cost: one process, world 1 (a one-rank gloo group), plain thunder.jit against FSDP zero3.
+
+    python -m bench.step_cost [--threads 1] [--layers 24] [--steps 20] [--profile]
+
+A 24-layer Llama-style model at d 64 is almost all per-op overhead, so the gap between the two rows is what
+the pass adds per step: its packing ops, the collectives (copies at world 1, still issued through gloo) and
+the waits. Prints the median step (forward, loss, backward, AdamW) of each; ``--profile`` adds cProfile's
+top functions by own time for the FSDP row, to see whether the pass's ops or the compute grew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+import warnings
+
+import thunder
+import torch
+import torch.distributed as dist
+from fsdp_pass_executors import executors_for
+
+from bench.model import loss_fn, make_batch
+from fsdp_pass import FSDP
+from fsdp_pass.groups import free_port, init_local_gloo
+from fsdp_pass.zoo import Config, LlamaLM
+
+
+def median_step_ms(transforms, cfg: Config, steps: int, profile: bool) -> float:
+    torch.manual_seed(0)
+    jm = thunder.jit(LlamaLM(cfg), transforms=transforms, executors=executors_for("cpu"))
+    opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
+    x, y = make_batch(0, cfg.local_batch, cfg.seq, 0, cfg.vocab)
+
+    def step():
+        loss_fn(jm(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # compile, then warm
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if profile:
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [step() for _ in range(5)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    return statistics.median(times) * 1e3
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.step_cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    init_local_gloo(0, 1, free_port(), 60)
+    cfg = Config(vocab=1000, d=64, n_head=4, hidden=176, n_layer=args.layers, seq=64, local_batch=2)
+    plain = median_step_ms([], cfg, args.steps, False)
+    ours = median_step_ms([FSDP("zero3")], cfg, args.steps, args.profile)
+    print(f"{args.layers} layers, d 64, {args.threads} thread(s), median of {args.steps} steps: "
+          f"thunder.jit {plain:.1f} ms, FSDP zero3 {ours:.1f} ms ({ours / plain:.2f}x)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
