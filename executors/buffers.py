@@ -42,7 +42,7 @@ def _copy_into_slices(flat: torch.Tensor, shards) -> None:
 
 def pack_shards_impl(shards, unit: str, dtype, device) -> torch.Tensor:
     dtype, device = _torch_dtype(dtype) or shards[0].dtype, _torch_device(device) or shards[0].device
-    if len(shards) == 1 and shards[0].dtype == dtype and shards[0].device == device:
+    if fb.pack_is_view(len(shards), cast=shards[0].dtype != dtype, moved=shards[0].device != device):
         return shards[0].reshape(-1)
     numel = sum(s.numel() for s in shards)
     if device.type == "cuda" and shards[0].device.type == "cpu":  # offloaded: copy on the side stream
@@ -77,9 +77,8 @@ def _unpadded(padded: torch.Tensor, lay) -> torch.Tensor:
 def pack_grads_impl(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: bool) -> torch.Tensor:
     layouts = fb.layouts_of(full_shapes, world_size)
     dtype = _torch_dtype(dtype) or grads[0].dtype
-    g, lay = grads[0], layouts[0]
-    if len(grads) == 1 and not lay.padding_rows and g.dtype == dtype and not divide_first:
-        return g.reshape(-1)
+    if fb.pack_is_view(len(grads), layouts[0].padding_rows, grads[0].dtype != dtype, divide_first=divide_first):
+        return grads[0].reshape(-1)
     total = sum(lay.shard_numel for lay in layouts)
     matrix = torch.empty(world_size, total, dtype=dtype, device=grads[0].device)
     offset = 0

@@ -69,6 +69,14 @@ pack_grads = prims.make_prim(PACK_GRADS, "pack_grads", meta=_pack_grads_meta)
 unpack_grad_shard = prims.make_prim(UNPACK_GRAD_SHARD, "unpack_grad_shard", meta=_unpack_grad_shard_meta)
 
 
+def pack_is_view(count: int, padding_rows: int = 0, cast: bool = False, moved: bool = False,
+                 divide_first: bool = False) -> bool:
+    """Whether a pack op returns its input flattened, a view and no new buffer: one tensor, no padding rows to
+    add, no cast, no device copy, no division. The executor's code follows this rule and the memory model
+    (:func:`views_of_inputs`) counts by it."""
+    return count == 1 and not (padding_rows or cast or moved or divide_first)
+
+
 def allocated_bytes(bsym, out) -> int:
     """Bytes of the new buffer that output ``out`` of one of these ops is: a parameter copied out of a gathered
     buffer keeps its padding rows (the op returns a view of the unpadded prefix)."""
@@ -85,15 +93,16 @@ def views_of_inputs(bsym) -> dict[str, object]:
     args, outs = bsym.args, bsym.flat_proxy_outs
     if is_pack_shards(bsym):
         shards, _, dtype, device = args
-        same = len(shards) == 1 and dtype in (None, shards[0].dtype) and _device(device) in (None, shards[0].device)
-        return {outs[0].name: shards[0]} if same else {}
+        cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
+        return {outs[0].name: shards[0]} if pack_is_view(len(shards), cast=cast, moved=moved) else {}
     if is_unpack_gathered(bsym):
         return {outs[0].name: args[0]} if len(outs) == 1 else {}
     if is_pack_grads(bsym):
         grads, _, full_shapes, world_size, dtype, divide_first = args
-        (lay, *more) = layouts_of(full_shapes, world_size)
-        same = not more and not lay.padding_rows and dtype in (None, grads[0].dtype) and not divide_first
-        return {outs[0].name: grads[0]} if same else {}
+        padding_rows = layouts_of(full_shapes, world_size)[0].padding_rows
+        cast = dtype not in (None, grads[0].dtype)
+        view = pack_is_view(len(grads), padding_rows, cast, divide_first=divide_first)
+        return {outs[0].name: grads[0]} if view else {}
     if is_unpack_grad_shard(bsym):
         local, _, _, _, _, dtype, device = args
         same = dtype in (None, local.dtype) and _device(device) in (None, local.device)

@@ -113,7 +113,7 @@ def annotate_collectives(trace, plan: UnitPlan, found: dict):
         for b in trace.bound_symbols
         if is_collective(b) and b.output.name in found
     }
-    unit_named = {u.name: u for u in plan.units}
+    unit_named = plan.unit_named
     new = from_trace(trace)
     for bsym in trace.bound_symbols:
         out = bsym.output if isinstance(bsym.output, Proxy) else None

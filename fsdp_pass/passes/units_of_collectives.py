@@ -19,7 +19,7 @@ from fsdp_pass.predicates import collective_kind, unit_of_op
 def units_of_collectives(trace, plan: UnitPlan) -> dict:
     """Output name of each collective in ``trace`` -> (its :class:`Unit`, its :class:`CollectiveKind`), for the
     ones found."""
-    unit_named = {u.name: u for u in plan.units}
+    unit_named = plan.unit_named
     producers = utils.producers(trace)
     found = {}
     for bsym in trace.bound_symbols:

@@ -45,6 +45,11 @@ class UnitPlan:
         return [arg for arg, _ in self.arguments]
 
     @property
+    def unit_named(self) -> dict[str, Unit]:
+        """Unit name -> unit."""
+        return {u.name: u for u in self.units}
+
+    @property
     def checkpointed(self) -> tuple[str, ...]:
         """Names of the units whose activations are recomputed in the backward."""
         return tuple(u.name for u in self.units if u.checkpointed)
