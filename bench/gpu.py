@@ -16,6 +16,8 @@ memory, the collectives and the losses hold. Systems (``--only`` picks some, com
   fsdp2+compile   the same, each decoder layer torch.compile'd
   thunder         thunder.jit, no FSDP (world 2: gradients all-reduced and averaged after the backward)
   ours zero3/zero2  thunder.jit with fsdp_pass.FSDP
+  ours zero3/zero2 merged  the same with units=BySize(1 MiB): consecutive decoder layers merged into units of
+                  up to 1 MiB, so a model of tiny layers issues a few larger collectives, not one per layer
 
 The Thunder rows run the executor list ``executor_choice(device)`` picks (``--fusion auto``), or
 ``--fusion torchcompile``: Thunder's torch.compile executor also on CPU, which fuses CPU tensors as it does

@@ -1,10 +1,11 @@
 """The pass's own step cost: one process, world 1 (a one-rank gloo group), plain thunder.jit against FSDP zero3.
 
-    python -m bench.step_cost [--threads 1] [--layers 24] [--steps 20] [--profile]
+    python -m bench.step_cost [--threads 1] [--layers 24] [--rounds 8] [--steps 5] [--profile]
 
 A 24-layer Llama-style model at d 64 is almost all per-op overhead, so the gap between the two rows is what
 the pass adds per step: its packing ops, the collectives (copies at world 1, still issued through gloo) and
-the waits. Prints the median step (forward, loss, backward, AdamW) of each; ``--profile`` adds cProfile's
+the waits. Prints the median step (forward, loss, backward, AdamW) of each, the two rows taking turns so
+that a drifting machine load weighs on both alike; ``--profile`` adds cProfile's
 top functions by own time for the FSDP row, to see whether the pass's ops or the compute grew.
 """
 
@@ -28,7 +29,8 @@ from fsdp_pass.groups import free_port, init_local_gloo
 from fsdp_pass.zoo import Config, LlamaLM
 
 
-def median_step_ms(transforms, cfg: Config, steps: int, profile: bool) -> float:
+def stepper(transforms, cfg: Config):
+    """A compiled, warmed training step (forward, loss, backward, AdamW) of a fresh model."""
     torch.manual_seed(0)
     jm = thunder.jit(LlamaLM(cfg), transforms=transforms, executors=executors_for("cpu"))
     opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
@@ -41,16 +43,26 @@ def median_step_ms(transforms, cfg: Config, steps: int, profile: bool) -> float:
 
     for _ in range(3):  # compile, then warm
         step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    if profile:
-        prof = cProfile.Profile()
-        prof.runcall(lambda: [step() for _ in range(5)])
-        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-    return statistics.median(times) * 1e3
+    return step
+
+
+def interleaved_medians(steps: dict, rounds: int, per_round: int) -> dict[str, float]:
+    """Median step ms of each, the rows taking turns (``per_round`` steps each per round), so that the
+    machine's load drifting over the run weighs on every row alike."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
+def profile_of(step, n: int = 5) -> None:
+    prof = cProfile.Profile()
+    prof.runcall(lambda: [step() for _ in range(n)])
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 def main(argv=None) -> None:
@@ -58,17 +70,21 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=5, help="steps of each row per round")
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     init_local_gloo(0, 1, free_port(), 60)
     cfg = Config(vocab=1000, d=64, n_head=4, hidden=176, n_layer=args.layers, seq=64, local_batch=2)
-    plain = median_step_ms([], cfg, args.steps, False)
-    ours = median_step_ms([FSDP("zero3")], cfg, args.steps, args.profile)
-    print(f"{args.layers} layers, d 64, {args.threads} thread(s), median of {args.steps} steps: "
-          f"thunder.jit {plain:.1f} ms, FSDP zero3 {ours:.1f} ms ({ours / plain:.2f}x)")
+    steps = {"thunder.jit": stepper([], cfg), "FSDP zero3": stepper([FSDP("zero3")], cfg)}
+    ms = interleaved_medians(steps, args.rounds, args.steps)
+    if args.profile:
+        profile_of(steps["FSDP zero3"])
+    plain, ours = ms["thunder.jit"], ms["FSDP zero3"]
+    print(f"{args.layers} layers, d 64, {args.threads} thread(s), median of {args.rounds} x {args.steps} steps "
+          f"(rows taking turns): thunder.jit {plain:.1f} ms, FSDP zero3 {ours:.1f} ms ({ours / plain:.2f}x)")
     dist.destroy_process_group()
 
 

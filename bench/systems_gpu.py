@@ -16,10 +16,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_pass.api import fsdp_of
+from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.transform import FSDP
 
 LR = 1e-3
-SYSTEMS = ("eager", "compile", "fsdp2", "fsdp2+compile", "thunder", "ours zero3", "ours zero2")
+SYSTEMS = ("eager", "compile", "fsdp2", "fsdp2+compile", "thunder", "ours zero3", "ours zero2", "ours zero3 merged",
+           "ours zero2 merged")
+MERGED_UNIT_BYTES = 1 << 20  # the "merged" rows: consecutive blocks merged into units of up to 1 MiB
 
 
 class Trainer:
@@ -77,6 +80,7 @@ def build_system(name: str, model, device, executors: list) -> Trainer:
         trainer = AllReduceTrainer if dist.get_world_size() > 1 else Trainer
         return trainer(thunder.jit(model, executors=executors))
     if name.startswith("ours "):
-        strategy = name.split()[1]
-        return OursTrainer(thunder.jit(model, transforms=[FSDP(strategy)], executors=executors))
+        strategy, *merged = name.split()[1:]
+        units = BySize(MERGED_UNIT_BYTES) if merged else "blocks"
+        return OursTrainer(thunder.jit(model, transforms=[FSDP(strategy, units=units)], executors=executors))
     raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")

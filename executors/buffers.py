@@ -8,14 +8,21 @@ In a printed execution trace they read ``fsdp_pack_shards``, ``fsdp_unpack_gathe
   communication stream, after it waits for the compute stream, so the copy runs while the compute stream
   goes on and the all-gather that reads the buffer follows it on the same stream.
 - Unpacking a gathered buffer copies each parameter out of the rank-major layout with one
-  ``split_with_sizes_copy`` (one kernel on CUDA); padding rows are dropped as a view of a prefix.
-- Packing gradients copies each into its column block of a (world size, shard elements) buffer in the
-  reduce dtype, padding rows zeroed; unpacking the reduced shard divides it in place, casts it to the shards'
-  dtype, copies it to where the shards live (a blocking copy: the optimizer reads it on the host next), and
-  cuts the shard gradients out of it as views.
+  ``split_with_sizes_copy`` (one kernel on CUDA); padding rows are dropped as a view of a prefix. At world
+  size 1 (and for a one-parameter unit) it copies nothing: the parameters are views of the buffer.
+- Packing gradients lays each out as (world size, shard elements) column blocks of one buffer in the reduce
+  dtype: one ``cat`` into it (casting on the way) when no parameter has padding rows, else a copy per
+  parameter with its padding rows zeroed. Unpacking the reduced shard divides it in place, casts it to the
+  shards' dtype, copies it to where the shards live (a blocking copy: the optimizer reads it on the host
+  next), and cuts the shard gradients out of it as views.
+- The layout arithmetic of a unit is worked out once (:func:`fsdp_pass.ops.flat_buffers.unit_buffer`), not on
+  every step.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+from math import prod
 
 import torch
 from fsdp_pass_executors.collectives import comm_ex, communication_stream
@@ -60,31 +67,35 @@ def pack_shards_impl(shards, unit: str, dtype, device) -> torch.Tensor:
 
 
 def unpack_gathered_impl(gathered: torch.Tensor, unit: str, full_shapes, world_size: int):
-    layouts = fb.layouts_of(full_shapes, world_size)
-    if len(layouts) == 1:
-        return (_unpadded(gathered, layouts[0]),)
-    sizes = [lay.shard_numel for lay in layouts]
-    outs = [torch.empty(world_size, n, dtype=gathered.dtype, device=gathered.device) for n in sizes]
-    torch.split_with_sizes_copy(gathered.view(world_size, sum(sizes)), sizes, dim=1, out=outs)
-    return tuple(_unpadded(o, lay) for o, lay in zip(outs, layouts))
+    buf = fb.unit_buffer(full_shapes, world_size)
+    if fb.unpack_is_view(len(buf.layouts), world_size):  # no copy: rows of the buffer as they lie
+        parts = gathered.split(buf.shard_numels) if len(buf.layouts) > 1 else (gathered,)
+        return tuple(_unpadded(part, lay) for part, lay in zip(parts, buf.layouts))
+    outs = [torch.empty(world_size, n, dtype=gathered.dtype, device=gathered.device) for n in buf.shard_numels]
+    torch.split_with_sizes_copy(gathered.view(world_size, buf.rank_numel), buf.shard_numels, dim=1, out=outs)
+    return tuple(_unpadded(o, lay) for o, lay in zip(outs, buf.layouts))
 
 
 def _unpadded(padded: torch.Tensor, lay) -> torch.Tensor:
-    """A parameter's padded rows (contiguous, rank-major) -> the parameter, a view of a prefix."""
+    """A parameter's padded rows (contiguous, rank-major) -> the parameter, a view (of a prefix, if padded)."""
+    if not lay.padding_rows:
+        return padded.view(lay.shape)
     return padded.view(lay.padded_rows, *lay.shape[1:])[: lay.rows].view(lay.shape)
 
 
 def pack_grads_impl(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: bool) -> torch.Tensor:
-    layouts = fb.layouts_of(full_shapes, world_size)
+    buf = fb.unit_buffer(full_shapes, world_size)
     dtype = _torch_dtype(dtype) or grads[0].dtype
-    if fb.pack_is_view(len(grads), layouts[0].padding_rows, grads[0].dtype != dtype, divide_first=divide_first):
+    if fb.pack_is_view(len(grads), buf.layouts[0].padding_rows, grads[0].dtype != dtype, divide_first=divide_first):
         return grads[0].reshape(-1)
-    total = sum(lay.shard_numel for lay in layouts)
-    matrix = torch.empty(world_size, total, dtype=dtype, device=grads[0].device)
-    offset = 0
-    for g, lay in zip(grads, layouts):
-        _copy_rank_major(matrix[:, offset : offset + lay.shard_numel], g, lay)
-        offset += lay.shard_numel
+    matrix = torch.empty(world_size, buf.rank_numel, dtype=dtype, device=grads[0].device)
+    if not buf.padded:  # every gradient is world-size row blocks already: one concatenation (casting on the way)
+        torch.cat([g.reshape(world_size, -1) for g in grads], dim=1, out=matrix)
+    else:
+        offset = 0
+        for g, lay, n in zip(grads, buf.layouts, buf.shard_numels):
+            _copy_rank_major(matrix[:, offset : offset + n], g, lay)
+            offset += n
     flat = matrix.view(-1)
     return flat.div_(world_size) if divide_first else flat
 
@@ -106,12 +117,14 @@ def unpack_grad_shard_impl(local: torch.Tensor, unit: str, shard_shapes, world_s
     if divide:
         local.div_(world_size)  # the reduce-scatter's own output: nobody else holds it
     local = local.to(dtype=_torch_dtype(dtype) or local.dtype, device=_torch_device(device) or local.device)
-    out, offset = [], 0
-    for shape in shard_shapes:
-        n = int(torch.Size(shape).numel())
-        out.append(local[offset : offset + n].view(shape))
-        offset += n
-    return tuple(out)
+    if len(shard_shapes) == 1:
+        return (local.view(shard_shapes[0]),)
+    return tuple(part.view(shape) for part, shape in zip(local.split(_numels(shard_shapes)), shard_shapes))
+
+
+@lru_cache(maxsize=4096)
+def _numels(shapes: tuple) -> tuple[int, ...]:
+    return tuple(prod(s) for s in shapes)
 
 
 for _prim, _name, _impl in (

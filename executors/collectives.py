@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from thunder.distributed import prims as dist_prims
 from thunder.extend import OperatorExecutor, register_executor
+from thunder.torch import to_torch_distributed_reduce_op
 from fsdp_pass.op_names import (
     ALL_GATHER,
     ALL_GATHER_OP,
@@ -145,8 +146,6 @@ def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None
 
 
 def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | None = None):
-    from thunder.torch import to_torch_distributed_reduce_op
-
     out = _resized(a, group, grow=False)
     reduce_op = to_torch_distributed_reduce_op(op)
     flight = _issue(

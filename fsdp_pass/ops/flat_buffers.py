@@ -5,7 +5,7 @@
   same op. One shard, no cast and no copy: a view of it.
 - ``unpack_gathered(gathered, unit, full_shapes, world_size)``: the rank-major gathered buffer (all of rank
   0's part of every parameter, then rank 1's, ...) cut into the full parameters, padding rows dropped; one
-  copy-out per unit (a one-parameter unit is a view of the buffer).
+  copy-out per unit (views of the buffer for a one-parameter unit and at world size 1).
 - ``pack_grads(grads, unit, full_shapes, world_size, dtype, divide_first)``: full gradients laid out rank-major
   with zero padding rows, in the reduce ``dtype``: the buffer the reduce-scatter reads (divided by the world
   size first when ``divide_first``, as float16 needs).
@@ -25,6 +25,9 @@ the executor's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 from thunder.core import devices, prims
 from thunder.core.proxies import TensorProxy
 
@@ -33,8 +36,28 @@ from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.predicates import is_pack_grads, is_pack_shards, is_unpack_gathered, is_unpack_grad_shard
 
 
-def layouts_of(full_shapes, world_size: int) -> list[ShardLayout]:
-    return [ShardLayout(tuple(s), world_size) for s in full_shapes]
+@dataclass(frozen=True)
+class UnitBuffer:
+    """How one unit's parameters lie in its flat buffers at one world size, worked out once per unit (the ops
+    run every step, with the same shapes)."""
+
+    layouts: tuple[ShardLayout, ...]
+    shard_numels: tuple[int, ...]  # each parameter's elements in one rank's part
+    padded: bool  # whether any parameter has padding rows
+
+    @property
+    def rank_numel(self) -> int:
+        return sum(self.shard_numels)
+
+
+@lru_cache(maxsize=4096)
+def unit_buffer(full_shapes: tuple, world_size: int) -> UnitBuffer:
+    layouts = tuple(ShardLayout(tuple(s), world_size) for s in full_shapes)
+    return UnitBuffer(layouts, tuple(lay.shard_numel for lay in layouts), any(lay.padding_rows for lay in layouts))
+
+
+def layouts_of(full_shapes, world_size: int) -> tuple[ShardLayout, ...]:
+    return unit_buffer(tuple(map(tuple, full_shapes)), world_size).layouts
 
 
 def _device(device):
@@ -77,6 +100,13 @@ def pack_is_view(count: int, padding_rows: int = 0, cast: bool = False, moved: b
     return count == 1 and not (padding_rows or cast or moved or divide_first)
 
 
+def unpack_is_view(count: int, world_size: int) -> bool:
+    """Whether unpacking a gathered buffer returns views of it and copies nothing: one parameter (its padding
+    rows dropped as a view of a prefix), or world size 1 (the buffer is this rank's shards, one after the
+    other, with no padding)."""
+    return count == 1 or world_size == 1
+
+
 def allocated_bytes(bsym, out) -> int:
     """Bytes of the new buffer that output ``out`` of one of these ops is: a parameter copied out of a gathered
     buffer keeps its padding rows (the op returns a view of the unpadded prefix)."""
@@ -96,7 +126,7 @@ def views_of_inputs(bsym) -> dict[str, object]:
         cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
         return {outs[0].name: shards[0]} if pack_is_view(len(shards), cast=cast, moved=moved) else {}
     if is_unpack_gathered(bsym):
-        return {outs[0].name: args[0]} if len(outs) == 1 else {}
+        return {o.name: args[0] for o in outs} if unpack_is_view(len(outs), args[3]) else {}
     if is_pack_grads(bsym):
         grads, _, full_shapes, world_size, dtype, divide_first = args
         padding_rows = layouts_of(full_shapes, world_size)[0].padding_rows
