@@ -10,6 +10,7 @@ from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.report.explain import Explanation
+from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
 from fsdp_pass.transform import FSDP
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "BySize",
     "Explanation",
     "FSDPError",
+    "GradNorms",
     "Groups",
     "MixedPrecision",
     "PerParameter",
@@ -27,10 +29,12 @@ __all__ = [
     "Strategy",
     "Unit",
     "UnitPlan",
+    "clip_grad_norm_",
     "explain",
     "fake_process_group",
     "fsdp_of",
     "full_state_dict",
+    "grad_norms",
     "load_full_state_dict",
     "no_sync",
 ]

@@ -305,6 +305,10 @@ def _options(memory: MemoryPrediction, plan: UnitPlan, precision: MixedPrecision
         f"per rank (vs {human_bytes(memory.gradient_shards)} of gradient shards) and skips every reduce-scatter "
         "until the step after it"
     )
+    options.append(
+        "clipping: fsdp_pass.clip_grad_norm_(model, max_norm) clips by the whole model's norm; "
+        "torch.nn.utils.clip_grad_norm_ would see only this rank's shards (a different norm on each rank)"
+    )
     if plan.checkpointed:
         options.append(
             f"activation checkpointing: {len(plan.checkpointed)} unit(s), recomputed from the backward's gather"
