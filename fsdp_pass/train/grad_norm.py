@@ -64,6 +64,8 @@ class GradNorms:
 
 
 def _combine(norms: list[float], p: float) -> float:
+    if any(math.isnan(n) for n in norms):  # Python's max() would skip a NaN or not, by its position
+        return math.nan
     if p == math.inf:
         return max(norms, default=0.0)
     return sum(n**p for n in norms) ** (1.0 / p)
@@ -118,9 +120,9 @@ def _trainable(jm):
 def _norm_vector(jm, p: float):
     """(transform, entries, every parameter's norm^p (max for inf) over all ranks, as a float64 CPU tensor)."""
     fsdp, entries = _trainable(jm)
-    parts = [_local_part(param.grad, p) for _, _, param in entries]
     device = _reduce_device(fsdp.group, fsdp.model.device or torch.device("cpu"))
-    vector = torch.stack([t.to(device) for pair in parts for t in pair]) if parts else torch.zeros(0, device=device)
+    parts = [t.to(device) for _, _, param in entries for t in _local_part(param.grad, p)]
+    vector = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     dist.all_reduce(vector, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM, group=fsdp.group)
     vector = vector.cpu().view(-1, 2)
     values, nan_flags = vector[:, 0], vector[:, 1]
@@ -133,8 +135,14 @@ def grad_norms(jm, norm_type: float = 2.0) -> GradNorms:
     _, entries, values = _norm_vector(jm, p)
     norms = values if p == math.inf else values ** (1.0 / p)
     params = tuple((unit, name, float(n)) for (unit, name, _), n in zip(entries, norms))
-    total = _combine([n for _, _, n in params], p) if p == math.inf else float(values.sum() ** (1.0 / p))
-    return GradNorms(p, total, params)
+    return GradNorms(p, float(_total(values, p)), params)
+
+
+def _total(values: torch.Tensor, p: float) -> torch.Tensor:
+    """The whole model's norm from every parameter's norm^p (its norm, for inf); NaN if any is NaN."""
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.float64)
+    return values.max() if p == math.inf else values.sum() ** (1.0 / p)
 
 
 def clip_grad_norm_(jm, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -145,9 +153,7 @@ def clip_grad_norm_(jm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     """
     p = _check_norm_type(norm_type)
     fsdp, entries, values = _norm_vector(jm, p)
-    total64 = values.max() if p == math.inf else values.sum() ** (1.0 / p)
-    if values.numel() == 0:
-        total64 = torch.zeros((), dtype=torch.float64)
+    total64 = _total(values, p)
     if error_if_nonfinite and not bool(torch.isfinite(total64)):
         norms = values if p == math.inf else values ** (1.0 / p)
         bad = [f"{name} (unit {unit!r})" for (unit, name, _), n in zip(entries, norms) if not math.isfinite(n)]
