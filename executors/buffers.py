@@ -21,7 +21,6 @@ In a printed execution trace they read ``fsdp_pack_shards``, ``fsdp_unpack_gathe
 
 from __future__ import annotations
 
-from functools import lru_cache
 from math import prod
 
 import torch
@@ -119,12 +118,7 @@ def unpack_grad_shard_impl(local: torch.Tensor, unit: str, shard_shapes, world_s
     local = local.to(dtype=_torch_dtype(dtype) or local.dtype, device=_torch_device(device) or local.device)
     if len(shard_shapes) == 1:
         return (local.view(shard_shapes[0]),)
-    return tuple(part.view(shape) for part, shape in zip(local.split(_numels(shard_shapes)), shard_shapes))
-
-
-@lru_cache(maxsize=4096)
-def _numels(shapes: tuple) -> tuple[int, ...]:
-    return tuple(prod(s) for s in shapes)
+    return tuple(part.view(shape) for part, shape in zip(local.split([prod(s) for s in shard_shapes]), shard_shapes))
 
 
 for _prim, _name, _impl in (

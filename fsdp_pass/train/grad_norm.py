@@ -129,20 +129,18 @@ def _norm_vector(jm, p: float):
     return fsdp, entries, torch.where(nan_flags > 0, torch.full_like(values, math.nan), values)
 
 
-def grad_norms(jm, norm_type: float = 2.0) -> GradNorms:
-    """Every trainable parameter's gradient norm, per unit and in total, the same on every rank (collective)."""
+def _measured(jm, norm_type):
+    """(the transform, its trainable shard parameters, their :class:`GradNorms`): one all-reduce."""
     p = _check_norm_type(norm_type)
-    _, entries, values = _norm_vector(jm, p)
+    fsdp, entries, values = _norm_vector(jm, p)
     norms = values if p == math.inf else values ** (1.0 / p)
     params = tuple((unit, name, float(n)) for (unit, name, _), n in zip(entries, norms))
-    return GradNorms(p, float(_total(values, p)), params)
+    return fsdp, [param for _, _, param in entries], GradNorms(p, _combine([n for _, _, n in params], p), params)
 
 
-def _total(values: torch.Tensor, p: float) -> torch.Tensor:
-    """The whole model's norm from every parameter's norm^p (its norm, for inf); NaN if any is NaN."""
-    if values.numel() == 0:
-        return torch.zeros((), dtype=torch.float64)
-    return values.max() if p == math.inf else values.sum() ** (1.0 / p)
+def grad_norms(jm, norm_type: float = 2.0) -> GradNorms:
+    """Every trainable parameter's gradient norm, per unit and in total, the same on every rank (collective)."""
+    return _measured(jm, norm_type)[2]
 
 
 def clip_grad_norm_(jm, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -151,23 +149,20 @@ def clip_grad_norm_(jm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     The counterpart of ``torch.nn.utils.clip_grad_norm_`` (same arguments, same rule) for a sharded model:
     the norm is the whole model's, the same on every rank. Collective: every rank calls it.
     """
-    p = _check_norm_type(norm_type)
-    fsdp, entries, values = _norm_vector(jm, p)
-    total64 = _total(values, p)
-    if error_if_nonfinite and not bool(torch.isfinite(total64)):
-        norms = values if p == math.inf else values ** (1.0 / p)
-        bad = [f"{name} (unit {unit!r})" for (unit, name, _), n in zip(entries, norms) if not math.isfinite(n)]
+    fsdp, params, norms = _measured(jm, norm_type)
+    if error_if_nonfinite and not math.isfinite(norms.total):
+        bad = [f"{name} (unit {unit!r})" for unit, name in norms.nonfinite()]
         fail(
-            f"The total gradient norm (norm_type={p:g}) is {float(total64)}: non-finite gradients in "
+            f"The total gradient norm (norm_type={norms.norm_type:g}) is {norms.total}: non-finite gradients in "
             f"{', '.join(bad)}.",
             "Find where they come from with print(fsdp_pass.grad_norms(model)) after the backward (lower the "
             "learning rate, check the inputs, use a loss scaler with float16), or pass error_if_nonfinite=False "
             "to scale them anyway.",
         )
-    with_grads = [param for _, _, param in entries if param.grad is not None]
+    with_grads = [param for param in params if param.grad is not None]
     first = with_grads[0].grad if with_grads else None
-    total = total64.to(device=first.device if first is not None else fsdp.model.device or torch.device("cpu"),
-                       dtype=first.dtype if first is not None else torch.float32)
+    total = torch.tensor(norms.total, dtype=first.dtype if first is not None else torch.float32,
+                         device=first.device if first is not None else fsdp.model.device or torch.device("cpu"))
     if with_grads:
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
     return total
