@@ -10,7 +10,16 @@ from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.report.explain import Explanation
+from fsdp_pass.train.distributed_checkpoint import Resumed, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
+from fsdp_pass.train.state_dicts import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from fsdp_pass.transform import FSDP
 
 __all__ = [
@@ -23,6 +32,7 @@ __all__ = [
     "Groups",
     "MixedPrecision",
     "PerParameter",
+    "Resumed",
     "Schedule",
     "ShardLayout",
     "ShardingPlan",
@@ -34,9 +44,17 @@ __all__ = [
     "fake_process_group",
     "fsdp_of",
     "full_state_dict",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
     "grad_norms",
+    "load_checkpoint",
     "load_full_state_dict",
     "no_sync",
+    "save_checkpoint",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
 ]
 
 # last, once every name above exists: the executor that runs the pass's ops registers itself with Thunder

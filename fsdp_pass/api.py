@@ -4,7 +4,8 @@ its parts to the stage that does the work.
 - ``fsdp_of(jm)``: the :class:`~fsdp_pass.transform.FSDP` transform ``jm`` was jitted with;
 - ``explain(jm | fsdp | plan)``: :mod:`fsdp_pass.report.explain` of the latest compile (or of a plan alone);
 - ``no_sync(jm)``: accumulate gradients without reduce-scatters (:mod:`fsdp_pass.ops.grad_accumulation`);
-- ``full_state_dict(jm)``, ``load_full_state_dict(jm, sd)``: :mod:`fsdp_pass.shard.state_dict`.
+- ``full_state_dict(jm)``, ``load_full_state_dict(jm, sd)``: :mod:`fsdp_pass.shard.state_dict` (the
+  sharded forms, optimizers and checkpoint folders: :mod:`fsdp_pass.train`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ def no_sync(jitted):
 
 
 def full_state_dict(jitted, *, cpu: bool = False) -> dict[str, torch.Tensor]:
-    """The unsharded state dict (same keys as the original module's), on every rank: collective."""
-    return state_dict.full_state_dict(jitted, fsdp_of(jitted).model, cpu=cpu)
+    """The unsharded state dict (same keys as the original module's), on every rank: collective.
+    (``get_model_state_dict`` with ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` keeps it on
+    rank 0 only.)"""
+    full = state_dict.model_state_dict(jitted, fsdp_of(jitted).model, full=True)
+    return {k: v.cpu() for k, v in full.items()} if cpu else full
 
 
 def load_full_state_dict(jitted, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Shard a full state dict into the model's existing parameters (every rank calls it: collective)."""
-    state_dict.load_full_state_dict(jitted, fsdp_of(jitted).model, full, strict=strict)
+    state_dict.load_model_state_dict(jitted, fsdp_of(jitted).model, full, form="full", strict=strict)

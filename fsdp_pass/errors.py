@@ -16,3 +16,16 @@ def check(condition: bool, what, todo: str) -> None:
     """:func:`fail` unless ``condition``; ``what`` may be a callable so the message is built lazily."""
     if not condition:
         fail(what() if callable(what) else what, todo)
+
+
+def check_on_all_ranks(problem: str | None, todo: str, group) -> None:
+    """Collective: every rank of ``group`` raises if any rank found a ``problem`` (a message, or None), so a
+    check that one rank alone can fail (its own input, a file it reads) never leaves the others waiting in
+    the next collective. The message names the first rank that failed."""
+    import torch.distributed as dist
+
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    for rank, found in enumerate(problems):
+        if found is not None:
+            fail(found if rank == dist.get_rank(group) else f"(found on rank {rank}) {found}", todo)

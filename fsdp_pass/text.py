@@ -31,3 +31,11 @@ def collective_label(
         f"{human_bytes(shard_bytes)}/rank x {world_size} = {human_bytes(shard_bytes * world_size)}"
         + (f", {padding:,} padding elements" if padding else "")
     )
+
+
+def bullet_lines(items: list[str], limit: int = 12) -> str:
+    """``items`` as indented lines under a message, the first ``limit`` of them and a count of the rest."""
+    shown = [f"\n    {item}" for item in items[:limit]]
+    if len(items) > limit:
+        shown.append(f"\n    ... and {len(items) - limit} more")
+    return "".join(shown)

@@ -33,7 +33,8 @@ from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
-from fsdp_pass.shard.state_dict import gather_full
+from fsdp_pass.shard.global_view import gather_full
+from fsdp_pass.shard.state_dict import load_model_state_dict, model_state_dict
 
 
 class FSDP(Transform):
@@ -138,6 +139,7 @@ class FSDP(Transform):
             self.options.offload_to,
         )
         model._fsdp_pass_plan = self.model.sharding
+        install_state_dict_methods(model, self.model)
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         grad_sync = (self.accumulators.mode(), self.accumulators)
@@ -187,10 +189,43 @@ class FSDP(Transform):
         sharding, out = self.model.sharding, {}
         for k, v in state_dict.items():
             name = prefix + k
-            if name in sharding:
-                v = gather_full(v, sharding.param(name).layout, self.model.group)
+            if name in sharding:  # gathered from the shard itself (the state dict holds its DTensor view)
+                spec = sharding.param(name)
+                v = gather_full(model.get_parameter(spec.shard_of), spec.layout, self.model.group)
             out[k] = v
         return out
+
+
+def install_state_dict_methods(thunder_module, sharded: ShardedModel) -> None:
+    """``jm.state_dict()`` and ``jm.load_state_dict()`` of the sharded model, as FSDP2's are: every key of the
+    original module (tied names too), each parameter a DTensor ``Shard(0)`` view of its shard, so
+    ``torch.distributed.checkpoint`` saves the whole model (Thunder's own methods give each rank's padded
+    shard under the full name: a checkpoint of them holds one rank's rows). ``load_state_dict`` takes that
+    form, or full tensors of the full shapes. ``original_state_dict()`` gathers the full tensors, every key
+    (Thunder's names a root module's own parameters ``".name"``)."""
+
+    def state_dict(*, destination=None, prefix: str = "", keep_vars: bool = False):
+        out = {} if destination is None else destination
+        out.update({prefix + k: v for k, v in model_state_dict(thunder_module, sharded).items()})
+        return out
+
+    def original_state_dict(*, destination=None, prefix: str = "", keep_vars: bool = False):
+        out = {} if destination is None else destination
+        out.update({prefix + k: v for k, v in model_state_dict(thunder_module, sharded, full=True).items()})
+        return out
+
+    def load_state_dict(state_dict, strict: bool = True, assign: bool = False):
+        check(
+            not assign,
+            "load_state_dict(assign=True) would replace the shards by the loaded tensors.",
+            "Load with assign=False (the default): values are cut to this rank's shard and copied into it.",
+        )
+        load_model_state_dict(thunder_module, sharded, state_dict, form="any", strict=strict)
+
+    # instance attributes: this ThunderModule only, not the class every jitted model shares
+    thunder_module.state_dict = state_dict
+    thunder_module.load_state_dict = load_state_dict
+    thunder_module.original_state_dict = original_state_dict
 
 
 def ensure_comm_executor(thunder_module) -> None:

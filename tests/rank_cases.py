@@ -15,7 +15,7 @@ from fsdp_pass import FSDP, explain, fsdp_of, full_state_dict, load_full_state_d
 from fsdp_pass.op_names import REDUCE_SCATTER
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.report.measure import CollectiveBytes
-from fsdp_pass.shard.state_dict import gather_full
+from fsdp_pass.shard.global_view import gather_full
 from tests import models
 
 
@@ -192,12 +192,20 @@ def state_dict_round_trip(model_name: str, strategy: str):
     params_still_in_optimizer = all(
         p is q for p, q in zip(opt.param_groups[0]["params"], target.parameters())
     )
+    # the module's own methods: load_state_dict takes full tensors (or DTensors), original_state_dict gathers
+    with torch.no_grad():
+        for p in target.parameters():
+            p.zero_()
+    target.load_state_dict(source.state_dict())
+    original = target.original_state_dict()
+    module_methods_exact = sorted(original) == sorted(saved) and all(torch.equal(original[k], saved[k]) for k in saved)
     return {
         "exact_save": exact_save,
         "same_keys": same_keys,
         "exact_round_trip": exact_round_trip,
         "out_rel_err": out_err,
         "params_still_in_optimizer": params_still_in_optimizer,
+        "module_methods_exact": module_methods_exact,
     }
 
 

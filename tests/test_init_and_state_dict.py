@@ -9,7 +9,7 @@ from tests import rank_cases
 def test_full_state_dict_round_trip(ranks, model_name):
     for r in ranks(2).run(rank_cases.state_dict_round_trip, model_name, "zero3"):
         assert r["same_keys"] and r["exact_save"] and r["exact_round_trip"], r
-        assert r["params_still_in_optimizer"], r
+        assert r["params_still_in_optimizer"] and r["module_methods_exact"], r
         assert r["out_rel_err"] < 1e-6, r
 
 

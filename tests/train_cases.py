@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import fsdp_pass
 from fsdp_pass import FSDPError, no_sync
-from fsdp_pass.shard.state_dict import gather_full
+from fsdp_pass.shard.global_view import gather_full
 from tests import models
 from tests.rank_cases import _local, _norm_rel, _reference_and_fsdp_model
 

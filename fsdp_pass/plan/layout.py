@@ -58,6 +58,11 @@ class ShardLayout:
     def padding_numel(self) -> int:
         return self.padding_rows * self.row_numel
 
+    def rows_on(self, rank: int) -> int:
+        """How many of rank ``rank``'s rows are real (not padding): ``torch.chunk``'s cut of the rows, so a
+        DTensor ``Shard(0)`` of the full shape has exactly these rows on each rank."""
+        return max(0, min(self.rows, (rank + 1) * self.rows_per_rank) - rank * self.rows_per_rank)
+
 
 def shard_tensor(full: torch.Tensor, layout: ShardLayout, rank: int) -> torch.Tensor:
     """Return rank ``rank``'s shard of ``full`` (a new tensor, zero padded)."""

@@ -3,5 +3,6 @@
 - :mod:`~fsdp_pass.shard.module`: takes the ThunderModule, gives it this rank's dim-0 shards as parameters
   (once, when the transform is applied);
 - :mod:`~fsdp_pass.shard.prologue`: takes the prologue trace, gives one that checks the shards' shapes;
-- :mod:`~fsdp_pass.shard.state_dict`: full state dicts in and out of the sharded module.
+- :mod:`~fsdp_pass.shard.global_view`: a shard seen as the whole parameter (a DTensor view, or gathered);
+- :mod:`~fsdp_pass.shard.state_dict`: the model's state dict, sharded (DTensors) or full, out and in.
 """

@@ -1,5 +1,11 @@
-"""The training loop around the step: what a user calls between ``backward()`` and ``optimizer.step()``.
+"""The training loop around the step: clipping between ``backward()`` and ``optimizer.step()``, state dicts
+and checkpoints between steps.
 
 - :mod:`~fsdp_pass.train.grad_norm`: the gradient norm of the whole model from the shards (one
   all-reduce), clipping by it, and a per-unit table of norms to find where a NaN or an inf came from.
+- :mod:`~fsdp_pass.train.state_dicts`: ``get_state_dict`` / ``set_state_dict`` of the model and its
+  optimizers (torch's conventions and options; DTensor views of the shards, or full tensors), built on
+  :mod:`~fsdp_pass.train.optimizer_state` (optimizer state by parameter name);
+- :mod:`~fsdp_pass.train.distributed_checkpoint`: ``save_checkpoint`` / ``load_checkpoint``, folders of
+  ``torch.distributed.checkpoint`` files, one per step, complete or absent, loadable at any world size.
 """

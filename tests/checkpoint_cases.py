@@ -1,0 +1,246 @@
+"""Checkpoints across gloo ranks (module-level functions, so spawned ranks can import them): train, save,
+train on (the uninterrupted run), resume from the checkpoint at this or another world size, compare.
+
+Every step of the loop is a real one: a global batch of 4 split over the ranks, gradients clipped by the
+global norm, an optimizer step. Optimizers have two param groups (no weight decay on 1-D and 0-d
+parameters), as real loops do.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import thunder
+import torch
+import torch.distributed as dist
+from fsdp_pass_executors import executors_for
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+import fsdp_pass
+from fsdp_pass import FSDP, FSDPError
+from fsdp_pass.train.distributed_checkpoint import complete_checkpoints
+from tests import models
+from tests.rank_cases import _local
+
+GLOBAL_BATCH = 4
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def _jit(model_name: str, strategy: str, **fsdp_kwargs):
+    model = models.build(model_name, seed=dist.get_world_size())  # other weights than the saved ones
+    return thunder.jit(copy.deepcopy(model), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu"))
+
+
+def make_optimizer(jm, kind: str):
+    decay = [p for p in jm.parameters() if p.ndim >= 2]
+    no_decay = [p for p in jm.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=1e-2)
+    return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+
+
+def train(jm, opt, model_name: str, steps: range) -> list[float]:
+    """The loop: forward, backward, clip by the global norm, step. Returns the mean loss over ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in steps:
+        x, y = models.batch(model_name, GLOBAL_BATCH, step)
+        loss = models.loss_fn(model_name, jm(_local(x, rank, world_size)), _local(y, rank, world_size))
+        loss.backward()
+        fsdp_pass.clip_grad_norm_(jm, 1.0)
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)
+    return losses
+
+
+def _full_params(jm) -> dict[str, torch.Tensor]:
+    full = fsdp_pass.full_state_dict(jm, cpu=True)
+    return {k: v.clone() for k, v in full.items()}
+
+
+def whole_state(jm, opt):
+    """Model and optimizer state, full, on rank 0 (None elsewhere): what a resharded load must reproduce."""
+    on_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = fsdp_pass.get_state_dict(jm, opt, options=on_rank0)
+    return (model_sd, optim_sd) if dist.get_rank() == 0 else None
+
+
+def _same(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _optimizer_states(opt) -> list[dict]:
+    return [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
+
+
+def _same_states(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) if torch.is_tensor(x[k]) else x[k] == y[k] for k in x)
+        for x, y in zip(a, b)
+    )
+
+
+def save_and_continue(
+    model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, m: int = 2, **fsdp_kwargs
+):
+    """Train k steps, save, train m more (the uninterrupted run). Then, in the same process, load the checkpoint
+    into the model with a fresh optimizer and train the same m steps again: bitwise the same."""
+    rank = dist.get_rank()
+    jm = _jit(model_name, strategy, **fsdp_kwargs)
+    opt = make_optimizer(jm, optimizer)
+    out = {"losses_before": train(jm, opt, model_name, range(k))}
+    at_save = _full_params(jm)
+    path = fsdp_pass.save_checkpoint(directory, jm, opt, step=k, extra={"seen": k * GLOBAL_BATCH})
+    out["saved_to"] = str(path)
+    out["state_at_save"] = whole_state(jm, opt)
+    out["save_changed_nothing"] = _same(at_save, _full_params(jm))
+    out["losses"] = train(jm, opt, model_name, range(k, k + m))
+    uninterrupted = _full_params(jm)
+
+    fresh = make_optimizer(jm, optimizer)
+    resumed = fsdp_pass.load_checkpoint(directory, jm, fresh)
+    out["resumed"] = (resumed.step, resumed.extra)
+    out["loaded_params_exact"] = _same(at_save, _full_params(jm))
+    out["resumed_losses"] = train(jm, fresh, model_name, range(k, k + m))
+    out["resumed_params_bitwise"] = _same(uninterrupted, _full_params(jm))
+    out["params"] = uninterrupted if rank == 0 else None
+
+    original_keys = sorted(models.build(model_name).state_dict())
+    sd = jm.state_dict()
+    out["jm_state_dict_keys_match"] = sorted(sd) == original_keys
+    out["jm_state_dict_plain"] = sorted(k for k, v in sd.items() if type(v).__name__ != "DTensor")
+    return out
+
+
+def full_and_flat_forms(model_name: str, strategy: str, optimizer: str, **fsdp_kwargs):
+    """The full form on rank 0 (cpu_offload) set back through broadcast_from_rank0, and torch's flat form of the
+    optimizer state: each round trip restores parameters and optimizer state exactly."""
+    jm = _jit(model_name, strategy, **fsdp_kwargs)
+    opt = make_optimizer(jm, optimizer)
+    train(jm, opt, model_name, range(2))
+    params, states = _full_params(jm), _optimizer_states(opt)
+    on_rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full_model, full_optim = fsdp_pass.get_state_dict(jm, opt, options=on_rank0)
+    out = {
+        "full_keys": len(full_model),
+        "full_devices": sorted({str(v.device) for v in full_model.values()}),
+        "full_optim_entries": len(full_optim.get("state", {})),
+        "full_shapes_match": all(tuple(v.shape) == tuple(params[k].shape) for k, v in full_model.items()),
+    }
+    with torch.no_grad():
+        for p in jm.parameters():
+            p.zero_()
+    fresh = make_optimizer(jm, optimizer)
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    fsdp_pass.set_state_dict(jm, fresh, model_state_dict=full_model, optim_state_dict=full_optim, options=broadcast)
+    out["broadcast_params_exact"] = _same(params, _full_params(jm))
+    out["broadcast_optimizer_exact"] = _same_states(states, _optimizer_states(fresh))
+    out["broadcast_groups"] = [g["weight_decay"] for g in fresh.param_groups]
+
+    flat = fsdp_pass.get_optimizer_state_dict(jm, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    out["flat_keys_sample"] = sorted(flat)[:2]
+    again = make_optimizer(jm, optimizer)
+    fsdp_pass.set_optimizer_state_dict(jm, again, flat, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    out["flat_optimizer_exact"] = _same_states(states, _optimizer_states(again))
+    return out
+
+
+def resume_elsewhere(
+    model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, m: int = 2, **fsdp_kwargs
+):
+    """A fresh model and optimizer at this world size load the checkpoint saved at another, and train on."""
+    jm = _jit(model_name, strategy, **fsdp_kwargs)
+    opt = make_optimizer(jm, optimizer)
+    resumed = fsdp_pass.load_checkpoint(directory, jm, opt)
+    state_at_load = whole_state(jm, opt)
+    losses = train(jm, opt, model_name, range(k, k + m))
+    params = _full_params(jm)
+    return {
+        "resumed": (resumed.step, resumed.extra),
+        "state_at_load": state_at_load,
+        "losses": losses,
+        "params": params if dist.get_rank() == 0 else None,
+    }
+
+
+def interrupted_save_and_misuse(
+    model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, **fsdp_kwargs
+):
+    """A save that fails on one rank mid-write leaves the last good checkpoint loadable; then state dicts that
+    do not fit raise an FSDPError on every rank, naming the key, and load nothing."""
+    rank = dist.get_rank()
+    jm = _jit(model_name, strategy, **fsdp_kwargs)
+    opt = make_optimizer(jm, optimizer)
+    train(jm, opt, model_name, range(k))
+    fsdp_pass.save_checkpoint(directory, jm, opt, step=k)
+    at_save = _full_params(jm)
+    train(jm, opt, model_name, range(k, k + 1))
+
+    real_write = FileSystemWriter.write_data
+
+    def failing_write(self, plan, planner):
+        raise OSError("disk full (simulated, on rank 1)")
+
+    out = {}
+    if rank == 1:
+        FileSystemWriter.write_data = failing_write
+    try:
+        fsdp_pass.save_checkpoint(directory, jm, opt, step=k + 1)
+        out["failed_save"] = None
+    except Exception as e:  # noqa: BLE001 - reported back to the test
+        out["failed_save"] = f"{type(e).__name__}: {e}"
+    finally:
+        FileSystemWriter.write_data = real_write
+    out["complete_steps"] = [step for step, _ in complete_checkpoints(directory)]
+    resumed = fsdp_pass.load_checkpoint(directory, jm, make_optimizer(jm, optimizer))
+    out["resumed_step"] = resumed.step
+    out["resumed_exact"] = _same(at_save, _full_params(jm))
+
+    before = _full_params(jm)
+    sharded_sd = fsdp_pass.get_model_state_dict(jm)
+    full_sd = fsdp_pass.get_model_state_dict(jm, options=FULL)
+    first = next(iter(full_sd))
+    wrong_shape = {**full_sd, first: torch.zeros(4, 4)}
+    missing = {k: v for k, v in sharded_sd.items() if k != first}
+    unexpected = {**sharded_sd, "bogus.weight": torch.zeros(2)}
+    attempts = {
+        "full_into_sharded": lambda: fsdp_pass.set_model_state_dict(jm, full_sd),
+        "sharded_into_full": lambda: fsdp_pass.set_model_state_dict(jm, sharded_sd, options=FULL),
+        "missing": lambda: fsdp_pass.set_model_state_dict(jm, missing),
+        "unexpected": lambda: fsdp_pass.set_model_state_dict(jm, unexpected),
+        "wrong_shape": lambda: fsdp_pass.set_model_state_dict(jm, wrong_shape, options=FULL),
+        "foreign_optimizer": lambda: fsdp_pass.get_state_dict(
+            jm, torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)
+        ),
+        "optimizer_of_other_kind": lambda: fsdp_pass.set_optimizer_state_dict(
+            jm,
+            make_optimizer(jm, "adamw" if optimizer != "adamw" else "sgd"),
+            fsdp_pass.get_optimizer_state_dict(jm, opt),
+        ),
+    }
+    out["errors"] = {}
+    for label, attempt in attempts.items():
+        try:
+            attempt()
+            out["errors"][label] = None
+        except FSDPError as e:
+            out["errors"][label] = str(e)
+    out["first_key"], out["first_shape"] = first, tuple(full_sd[first].shape)
+    out["nothing_loaded"] = _same(before, _full_params(jm))
+    return out
+
+
+def run_loop(argv: list[str]) -> dict[int, float]:
+    """fsdp_pass.loop (the README's loop: accumulation, clipping, a schedule, checkpoints) on this pool's ranks."""
+    from fsdp_pass import loop
+
+    return loop.train(loop.arguments(argv), say=lambda *a, **k: None)
