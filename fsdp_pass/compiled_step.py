@@ -22,11 +22,20 @@ class CompiledStep:
     forward: object | None = None  # the final (executable) forward trace; None until lowered
     backward: object | None = None  # the final backward trace; None when nothing requires grad
     unit_of_collective: dict[str, str] = field(default_factory=dict)  # collective output name -> unit name
+    # the traces as Thunder lowered them, before stages 5-7 (schedule, verify, label): another schedule can be
+    # tried on them without compiling again (fsdp_pass.pipeline.reschedule)
+    lowered: dict[str, object] = field(default_factory=dict)
 
-    def with_final_trace(self, phase: str, trace, unit_of_collective: dict[str, str]) -> CompiledStep:
-        """This step with its final ``phase`` trace (``"forward"`` or ``"backward"``) and the units found in it."""
+    def with_final_trace(self, phase: str, trace, unit_of_collective: dict[str, str], lowered=None) -> CompiledStep:
+        """This step with its final ``phase`` trace (``"forward"`` or ``"backward"``), the units found in it, and
+        the ``lowered`` trace it was made from."""
         assert phase in PHASES, phase
-        return replace(self, **{phase: trace}, unit_of_collective={**self.unit_of_collective, **unit_of_collective})
+        return replace(
+            self,
+            **{phase: trace},
+            unit_of_collective={**self.unit_of_collective, **unit_of_collective},
+            lowered={**self.lowered, phase: lowered} if lowered is not None else self.lowered,
+        )
 
     def final_trace(self, phase: str):
         return self.forward if phase == "forward" else self.backward

@@ -22,10 +22,16 @@ After lowering, on the final forward and on the final backward trace: :func:`fin
                (:mod:`fsdp_pass.verify`);
   7. label     every collective and the ops around it named with its unit and bytes
                (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
+
+:func:`reschedule` runs stages 5-7 again, with another schedule, on the lowered traces a compile kept: what
+compiling with that schedule gives, without compiling.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from fsdp_pass.compiled_step import PHASES, CompiledStep
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
@@ -35,6 +41,7 @@ from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.plan_units import plan_units
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
@@ -83,3 +90,16 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         check_same_collectives_on_all_ranks(trace, phase, group)
     trace = annotate_collectives(trace, plan, found)
     return trace, {name: unit.name for name, (unit, _) in found.items()}
+
+
+def reschedule(step: CompiledStep, schedule: Schedule | int | None) -> CompiledStep:
+    """Stages 5-7 again on ``step``'s lowered traces, with another ``schedule``: the step that compiling with
+    ``FSDP(..., schedule=schedule)`` gives (stages 1-4 do not read the schedule), without compiling. Nothing
+    runs and no other rank is asked: the cross-rank check is left out."""
+    options = replace(step.options, schedule=resolve_schedule(schedule), verify_ranks=False)
+    out = CompiledStep(step.plan, options)
+    for phase in PHASES:
+        if step.lowered.get(phase) is not None:
+            trace, units = finish_lowered(step.lowered[phase], phase, step.plan, options)
+            out = out.with_final_trace(phase, trace, units, lowered=step.lowered[phase])
+    return out

@@ -153,7 +153,7 @@ class FSDP(Transform):
         phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
         step = self.compiled_step
         trace, units = finish_lowered(computation_trace, phase, step.plan, self.options, self.model.group)
-        self.compiled_step = step.with_final_trace(phase, trace, units)
+        self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace
 
     def overlap_report(self) -> OverlapReport:

@@ -151,6 +151,17 @@ def full_and_flat_forms(model_name: str, strategy: str, optimizer: str, **fsdp_k
     again = make_optimizer(jm, optimizer)
     fsdp_pass.set_optimizer_state_dict(jm, again, flat, options=StateDictOptions(flatten_optimizer_state_dict=True))
     out["flat_optimizer_exact"] = _same_states(states, _optimizer_states(again))
+
+    # a full state dict without the tied name (as HF saves one) loads; one whose tied names differ does not
+    full = fsdp_pass.get_model_state_dict(jm, options=FULL)
+    tied = [s.name for s in fsdp_pass.fsdp_of(jm).sharding.params if s.is_tied]
+    fsdp_pass.set_model_state_dict(jm, {k: v for k, v in full.items() if k not in tied}, options=FULL)
+    out["tied"], out["loads_without_tied_names"] = tied, _same(params, _full_params(jm))
+    try:
+        fsdp_pass.set_model_state_dict(jm, {**full, tied[0]: full[tied[0]] + 1}, options=FULL)
+        out["untied_values_error"] = None
+    except FSDPError as e:
+        out["untied_values_error"] = str(e)
     return out
 
 

@@ -112,6 +112,8 @@ def test_full_form_through_rank0_and_flat_optimizer_form(ranks):
         assert r["flat_optimizer_exact"] and all(
             k.startswith(("param_groups.", "state.")) for k in r["flat_keys_sample"]
         )
+        assert r["tied"] == ["lm_head.weight"] and r["loads_without_tied_names"], r
+        assert "lm_head.weight" in r["untied_values_error"] and "tied" in r["untied_values_error"], r
 
 
 def test_interrupted_save_keeps_the_last_checkpoint_and_misfits_fail_loudly(ranks, tmp_path):

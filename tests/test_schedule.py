@@ -18,7 +18,8 @@ from thunder.core import prims
 from thunder.core.trace import from_trace
 
 from fsdp_pass import FSDP, FSDPError, Schedule
-from fsdp_pass.report.overlap import is_compute
+from fsdp_pass.pipeline import reschedule
+from fsdp_pass.report.overlap import is_compute, step_overlap
 from fsdp_pass.predicates import (
     is_all_gather,
     is_collective,
@@ -43,13 +44,21 @@ def block_bytes(fsdp) -> int:
 
 @pytest.fixture(scope="module")
 def compiled():
+    """name -> (forward, backward, FSDP transform or CompiledStep). Other schedules of the default compile are
+    made by ``reschedule`` (stages 5-7 again on its lowered traces); one is compiled too, to show they agree."""
     out = {"default": shared_step("zero3")}  # FSDP("zero3"): the default schedule
+    step = out["default"][2].compiled_step
     limit = block_bytes(out["default"][2])
     out["again"] = compile_step()
     out["prefetch2"] = compile_step(schedule=Schedule(prefetch=2))
-    out["bounded"] = compile_step(schedule=Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1))
-    out["prefetch0"] = compile_step(schedule=Schedule(prefetch=0))
-    out["everything_first"] = compile_step(schedule=Schedule(prefetch=8))  # every gather at the top
+    for name, schedule in {
+        "rescheduled_prefetch2": Schedule(prefetch=2),
+        "bounded": Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1),
+        "prefetch0": Schedule(prefetch=0),
+        "everything_first": Schedule(prefetch=8),  # every gather at the top
+    }.items():
+        other = reschedule(step, schedule)
+        out[name] = (other.forward, other.backward, other)
     out["zero2"] = shared_step("zero2")
     return out
 
@@ -175,7 +184,7 @@ def test_only_the_first_gather_and_the_last_reduce_scatter_are_exposed(compiled)
 
 
 def test_prefetch_zero_leaves_every_gather_exposed(compiled):
-    rows = compiled["prefetch0"][2].overlap_report().rows
+    rows = step_overlap(compiled["prefetch0"][2]).rows
     assert all(r.exposed for r in rows if r.kind == ALL_GATHER)
 
 
@@ -204,6 +213,15 @@ def test_peak_gathered_memory_is_bounded_by_units_not_the_model(compiled):
     # the backward (two per layer, 16 floats each)
     assert peak <= 2 * block_bytes(fsdp) + LAYERS * 2 * 16 * 4
     assert peak < all_at_once / 2
+
+
+def test_reschedule_gives_what_compiling_with_that_schedule_gives(compiled):
+    for phase in (0, 1):
+        a, b = compiled["prefetch2"][phase], compiled["rescheduled_prefetch2"][phase]
+        assert [x.sym.name for x in a.bound_symbols] == [x.sym.name for x in b.bound_symbols]
+        assert collective_sequence(a) == collective_sequence(b)
+        assert positions(a, is_wait) == positions(b, is_wait)
+    assert compiled["rescheduled_prefetch2"][2].options.schedule == Schedule(prefetch=2)
 
 
 def test_same_schedule_on_every_recompile(compiled):

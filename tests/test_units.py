@@ -12,6 +12,7 @@ import torch.nn as nn
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
+from fsdp_pass.functional import functional_trace, shard_functional_trace
 from fsdp_pass.report.step_stats import floor_bytes, step_stats
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from tests import llama_steps, models
@@ -151,6 +152,20 @@ def test_a_unit_mixing_dtypes_is_split_and_the_plan_says_so():
         ([42], "Cannot read 42 as a unit"),
     ],
 )
-def test_bad_unit_specs_fail_with_a_clear_message(units, message):
-    with pytest.raises(FSDPError, match=message):
-        compile_step(llama(), "zero2", units=units)
+def test_bad_unit_specs_fail_with_a_clear_message(llama_functional_trace, units, message):
+    """Planned on the functional trace (the plan stage the transform runs too, without compiling again)."""
+    model, prologue, trace = llama_functional_trace
+    with fake_process_group(WORLD) as group, pytest.raises(FSDPError, match=message):
+        shard_functional_trace(prologue, trace, group, "zero2", units=units, model=model)
+
+
+def test_a_bad_unit_spec_fails_the_compile_with_a_clear_message():
+    with pytest.raises(FSDPError, match="matches no module or parameter"):
+        compile_step(llama(), "zero2", units=["no_such_module"])
+
+
+@pytest.fixture(scope="module")
+def llama_functional_trace():
+    model = llama()
+    x, _ = models.batch("llama_gqa", 2, 0)
+    return (model, *functional_trace(model, x))

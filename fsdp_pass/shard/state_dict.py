@@ -111,11 +111,14 @@ def load_problems(
     jm, sharded: ShardedModel, state_dict: dict, *, form: str, strict: bool, ignore_frozen: bool
 ) -> str | None:
     """Every reason ``state_dict`` cannot be loaded, as one message (None if it can)."""
-    specs = _specs(sharded, ignore_frozen)
+    specs, sharding = _specs(sharded, ignore_frozen), sharded.sharding
     expected = [s.name for s in specs] + persistent_buffer_names(jm._model)
     problems = []
-    if strict:
-        missing = [k for k in expected if k not in state_dict]
+    loaded = {s.shard_of for s in specs if s.name in state_dict}
+    if strict:  # a tied name may be left out when another name of its tensor is there (as HF saves them)
+        missing = [
+            k for k in expected if k not in state_dict and not (k in sharding and sharding.param(k).shard_of in loaded)
+        ]
         frozen = {s.name for s in sharded.sharding.params if not s.requires_grad} if ignore_frozen else set()
         unexpected = [k for k in state_dict if k not in set(expected) and k not in frozen]
         if missing:
@@ -123,6 +126,10 @@ def load_problems(
         if unexpected:
             problems.append(f"unexpected keys {unexpected}")
     for spec in specs:
+        if spec.is_tied and spec.name in state_dict and spec.shard_of in state_dict:
+            problem = _untied_problem(spec, state_dict[spec.name], state_dict[spec.shard_of])
+            if problem:
+                problems.append(problem)
         if spec.name in state_dict:
             problem = value_problem(spec.name, state_dict[spec.name], spec, form)
             if problem:
@@ -130,6 +137,20 @@ def load_problems(
     if not problems:
         return None
     return f"The state dict does not fit this sharded model ({form} form asked for):{bullet_lines(problems)}"
+
+
+def _untied_problem(spec: ParamSpec, value, owner_value) -> str | None:
+    """Both names of a tied tensor are given: they must hold the same values (the model has one tensor)."""
+    if value is owner_value or not isinstance(value, torch.Tensor) or not isinstance(owner_value, torch.Tensor):
+        return None
+    a = value.to_local() if isinstance(value, DTensor) else value
+    b = owner_value.to_local() if isinstance(owner_value, DTensor) else owner_value
+    if a.shape == b.shape and torch.equal(a, b.to(a.device, a.dtype)):
+        return None
+    return (
+        f"{spec.name!r} and {spec.shard_of!r} are one tensor in this model (tied), and the state dict gives them "
+        "different values (saved from an untied model?)"
+    )
 
 
 LOAD_TODO = (
