@@ -186,8 +186,9 @@ def resume_elsewhere(
 def interrupted_save_and_misuse(
     model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, **fsdp_kwargs
 ):
-    """A save that fails on one rank mid-write leaves the last good checkpoint loadable; then state dicts that
-    do not fit raise an FSDPError on every rank, naming the key, and load nothing."""
+    """A save that fails on one rank mid-write leaves the last good checkpoint loadable (``optimizer`` "sgd": with
+    momentum); then state dicts that do not fit raise an FSDPError on every rank, naming the key, and load
+    nothing."""
     rank = dist.get_rank()
     jm = _jit(model_name, strategy, **fsdp_kwargs)
     opt = make_optimizer(jm, optimizer)
@@ -212,9 +213,18 @@ def interrupted_save_and_misuse(
     finally:
         FileSystemWriter.write_data = real_write
     out["complete_steps"] = [step for step, _ in complete_checkpoints(directory)]
-    resumed = fsdp_pass.load_checkpoint(directory, jm, make_optimizer(jm, optimizer))
+    # loaded after a backward, into an optimizer that never stepped: its state is made anyway, the gradients kept
+    x, y = models.batch(model_name, GLOBAL_BATCH, 0)
+    world_size = dist.get_world_size()
+    models.loss_fn(model_name, jm(_local(x, rank, world_size)), _local(y, rank, world_size)).backward()
+    grads = [p.grad.clone() for p in jm.parameters()]
+    fresh = make_optimizer(jm, optimizer)
+    resumed = fsdp_pass.load_checkpoint(directory, jm, fresh)
     out["resumed_step"] = resumed.step
     out["resumed_exact"] = _same(at_save, _full_params(jm))
+    out["state_with_grads_present"] = all("momentum_buffer" in fresh.state[p] for p in jm.parameters())
+    out["grads_kept"] = all(torch.equal(g, p.grad) for g, p in zip(grads, jm.parameters()))
+    jm.zero_grad()
 
     before = _full_params(jm)
     sharded_sd = fsdp_pass.get_model_state_dict(jm)

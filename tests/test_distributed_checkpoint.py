@@ -123,6 +123,7 @@ def test_interrupted_save_keeps_the_last_checkpoint_and_misfits_fail_loudly(rank
         assert r["failed_save"].startswith("FSDPError") and "rank 1: OSError" in r["failed_save"], r
         assert "step-00000002, is untouched" in r["failed_save"], r
         assert r["complete_steps"] == [2] and r["resumed_step"] == 2 and r["resumed_exact"], r
+        assert r["state_with_grads_present"] and r["grads_kept"], r
         errors, first = r["errors"], r["first_key"]
         assert all(message is not None for message in errors.values()), errors
         assert "full_state_dict=True" in errors["full_into_sharded"] and first in errors["full_into_sharded"]

@@ -4,7 +4,8 @@ convention of ``torch.distributed.checkpoint.state_dict`` (``{"state": {name: {k
 
 ``optimizer_state_dict(jm, sharded, optimizers, *, full=False, cpu_offload=False)``
   1. An optimizer that has not stepped yet gets its state made (one step with zero gradients and the
-     learning rate at 0, as torch does), so a fresh optimizer has the entries a checkpoint is loaded into.
+     learning rate at 0, as torch does, but also when gradients are there: they are put back), so a fresh
+     optimizer has the entries a checkpoint is loaded into.
   2. Each parameter of the optimizer must be one of the model's shards; it is named by its first name
      (a tied parameter has one entry).
   3. A state tensor shaped like the shard (``exp_avg``, ``momentum_buffer``, ...) becomes the shard's
@@ -40,13 +41,14 @@ def as_list(optimizers) -> list[torch.optim.Optimizer]:
 
 
 def init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make a fresh optimizer's state: one step with zero gradients and every learning rate at 0."""
-    params = [p for g in optimizer.param_groups for p in g[PARAMS]]
-    if optimizer.state or any(p.grad is not None for p in params):
+    """Make a fresh optimizer's state: one step with zero gradients and every learning rate at 0. Gradients
+    already there (a backward before loading a checkpoint) are put back afterwards."""
+    if optimizer.state:
         return
+    params = [p for g in optimizer.param_groups for p in g[PARAMS]]
+    grads = [p.grad for p in params]
     for p in params:
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
     lrs = [g.get("lr") for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         if "lr" in g:
@@ -55,7 +57,8 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
     for g, lr in zip(optimizer.param_groups, lrs):
         if lr is not None:
             g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
+    for p, grad in zip(params, grads):
+        p.grad = grad
 
 
 def _names(jm, sharded: ShardedModel, optimizer) -> dict[int, ParamSpec]:
@@ -186,7 +189,7 @@ def load_optimizer_state_dict(
             else value
         )
 
-    state_dict = _broadcast_and_cut(state_dict, cut, sharded) if broadcast else state_dict
+    state_dict = _broadcast_and_cut(state_dict, cut, templates.__contains__, sharded) if broadcast else state_dict
     for optimizer in optimizers:
         local, index = {STATE: {}, GROUPS: []}, 0
         for g in optimizer.param_groups:
@@ -211,9 +214,10 @@ class _TensorSlot:
     dtype: torch.dtype
 
 
-def _broadcast_and_cut(state_dict, cut, sharded: ShardedModel) -> dict:
+def _broadcast_and_cut(state_dict, cut, known, sharded: ShardedModel) -> dict:
     """Rank 0's state dict on every rank: its structure as one object, then each tensor broadcast and cut to
-    this rank's shard at once (no rank holds more than one full tensor at a time)."""
+    this rank's shard at once (no rank holds more than one full tensor at a time). ``known(name)``: whether
+    one of the optimizers holds that parameter (others are skipped, as the unbroadcast path ignores them)."""
     group, rank = sharded.group, dist.get_rank(sharded.group)
     src = dist.get_global_rank(group, 0)
 
@@ -231,6 +235,8 @@ def _broadcast_and_cut(state_dict, cut, sharded: ShardedModel) -> dict:
     dist.broadcast_object_list(shell, src=src, group=group)
     out = {STATE: {}, GROUPS: shell[0][GROUPS]}
     for name, entry in shell[0][STATE].items():
+        if not known(name):  # state of a parameter none of these optimizers holds: not sent (every rank skips it)
+            continue
         out[STATE][name] = {}
         for key, v in entry.items():
             if isinstance(v, _TensorSlot):
