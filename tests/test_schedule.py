@@ -181,6 +181,8 @@ def test_only_the_first_gather_and_the_last_reduce_scatter_are_exposed(compiled)
     assert exposed == [("forward", ALL_GATHER, "embed"), ("backward", REDUCE_SCATTER, "embed")]
     report = str(compiled["default"][2].overlap_report())
     assert "EXPOSED" in report and "matmul" in report and "2 exposed" in report
+    header, rule = report.splitlines()[:2]
+    assert len(header) == len(rule), "every dashed column has a title"
 
 
 def test_prefetch_zero_leaves_every_gather_exposed(compiled):

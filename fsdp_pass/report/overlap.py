@@ -121,7 +121,7 @@ class OverlapReport:
         return [r for r in self.rows if r.exposed]
 
     def __str__(self) -> str:
-        header = ("phase", "collective", "unit", "bytes", "issue..wait", "compute between", "~MFLOP", "")
+        header = ("phase", "collective", "unit", "bytes", "issue..wait", "compute between", "~MFLOP", "exposed?")
         lines = []
         for r in self.rows:
             ops = ", ".join(f"{name} x{n}" for name, n in r.ops_between[:3])
