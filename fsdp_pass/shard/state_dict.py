@@ -32,9 +32,6 @@ from fsdp_pass.shard.global_view import as_dtensor, gather_full, shard_of
 from fsdp_pass.shard.module import ShardedModel
 from fsdp_pass.text import bullet_lines
 
-FORMS = ("sharded", "full", "any")
-
-
 def persistent_buffer_names(module: torch.nn.Module) -> list[str]:
     names = []
     for mod_name, sub in module.named_modules():
@@ -119,7 +116,7 @@ def load_problems(
         missing = [
             k for k in expected if k not in state_dict and not (k in sharding and sharding.param(k).shard_of in loaded)
         ]
-        frozen = {s.name for s in sharded.sharding.params if not s.requires_grad} if ignore_frozen else set()
+        frozen = {s.name for s in sharding.params if not s.requires_grad} if ignore_frozen else set()
         unexpected = [k for k in state_dict if k not in set(expected) and k not in frozen]
         if missing:
             problems.append(f"missing keys {missing}")
