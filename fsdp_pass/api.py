@@ -19,6 +19,7 @@ from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.report.explain import Explanation, explain_plan
 from fsdp_pass.shard import state_dict
 from fsdp_pass.transform import FSDP
+from fsdp_pass.verify.ranks_arrive import ranks_arrive
 
 
 def fsdp_of(jitted) -> FSDP:
@@ -30,6 +31,14 @@ def fsdp_of(jitted) -> FSDP:
         f"This model ({type(jitted).__name__}) was not compiled with fsdp_pass.FSDP.",
         "Pass the model returned by thunder.jit(model, transforms=[FSDP(...)]).",
     )
+
+
+def arrived(jitted, what: str) -> FSDP:
+    """The :class:`FSDP` transform of ``jitted``, once every rank of its group has called the collective helper
+    ``what`` (an FSDPError naming the ranks that did not, after ``FSDP(timeout=...)``)."""
+    fsdp = fsdp_of(jitted)
+    ranks_arrive(what, fsdp.group, fsdp.options.timeout, scope=f"model{fsdp.ordinal}")
+    return fsdp
 
 
 def explain(target, *, optimizer="adam") -> Explanation:
@@ -59,10 +68,11 @@ def full_state_dict(jitted, *, cpu: bool = False) -> dict[str, torch.Tensor]:
     """The unsharded state dict (same keys as the original module's), on every rank: collective.
     (``get_model_state_dict`` with ``StateDictOptions(full_state_dict=True, cpu_offload=True)`` keeps it on
     rank 0 only.)"""
-    full = state_dict.model_state_dict(jitted, fsdp_of(jitted).model, full=True)
+    full = state_dict.model_state_dict(jitted, arrived(jitted, "full_state_dict()").model, full=True)
     return {k: v.cpu() for k, v in full.items()} if cpu else full
 
 
 def load_full_state_dict(jitted, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
     """Shard a full state dict into the model's existing parameters (every rank calls it: collective)."""
-    state_dict.load_model_state_dict(jitted, fsdp_of(jitted).model, full, form="full", strict=strict)
+    fsdp = arrived(jitted, "load_full_state_dict()")
+    state_dict.load_model_state_dict(jitted, fsdp.model, full, form="full", strict=strict)

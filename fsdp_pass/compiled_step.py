@@ -7,12 +7,20 @@ transform.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.units import UnitPlan
 
 PHASES = ("forward", "backward")
+
+_compiles = itertools.count(1)
+
+
+def new_step_key() -> str:
+    """A name for one compile, unique in this process (the per-step check finds its collectives by it)."""
+    return f"step-{next(_compiles)}"
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class CompiledStep:
     # the traces as Thunder lowered them, before stages 5-7 (schedule, verify, label): another schedule can be
     # tried on them without compiling again (fsdp_pass.pipeline.reschedule)
     lowered: dict[str, object] = field(default_factory=dict)
+    key: str = field(default_factory=new_step_key)
 
     def with_final_trace(self, phase: str, trace, unit_of_collective: dict[str, str], lowered=None) -> CompiledStep:
         """This step with its final ``phase`` trace (``"forward"`` or ``"backward"``), the units found in it, and

@@ -55,3 +55,26 @@ def init_local_gloo(rank: int, world_size: int, port: int, timeout_s: float) -> 
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def group_store(group):
+    """The key-value store ``group``'s ranks met through (the TCPStore ``init_process_group`` made, prefixed
+    for the group): what :mod:`fsdp_pass.verify.ranks_arrive` counts arrivals on, with no collective."""
+    from torch.distributed.distributed_c10d import _get_process_group_store  # torch has no public name for it
+
+    return _get_process_group_store(group)
+
+
+_cpu_channels: dict = {}
+
+
+def cpu_channel(group):
+    """A gloo group over ``group``'s ranks, for the small host-side exchanges of the checks (no GPU sync, no
+    stream): ``group`` itself when it is gloo, else one made the first time it is asked for (every rank of
+    ``group`` asks at the same point: the first step) and kept."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    if group not in _cpu_channels:
+        ranks = dist.get_process_group_ranks(group)
+        _cpu_channels[group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _cpu_channels[group]

@@ -39,6 +39,7 @@ PACK_SHARDS = "fsdp_pass.pack_shards"
 UNPACK_GATHERED = "fsdp_pass.unpack_gathered"
 PACK_GRADS = "fsdp_pass.pack_grads"
 UNPACK_GRAD_SHARD = "fsdp_pass.unpack_grad_shard"
+CHECK_SAME_COLLECTIVES = "fsdp_pass.check_same_collectives"
 
 # what fsdp_comm names the ops it runs (as printed in the execution traces)
 ALL_GATHER_OP = "fsdp_all_gather"

@@ -18,8 +18,8 @@ After lowering, on the final forward and on the final backward trace: :func:`fin
 
   5. schedule  prefetched gathers, late waits, early reduce-scatters
                (:func:`~fsdp_pass.passes.schedule_collectives.schedule_collectives`);
-  6. verify    no buffer used while its collective is in flight, the same collectives on every rank
-               (:mod:`fsdp_pass.verify`);
+  6. verify    no buffer used while its collective is in flight; the forward starts with a check that every
+               rank runs a step with the same collectives, at every step (:mod:`fsdp_pass.verify`);
   7. label     every collective and the ops around it named with its unit and bytes
                (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
 
@@ -48,7 +48,11 @@ from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.shard.module import ShardedModel
 from fsdp_pass.shard.prologue import shard_prologue
 from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
-from fsdp_pass.verify.same_collectives_on_all_ranks import check_same_collectives_on_all_ranks
+from fsdp_pass.verify.same_collectives_on_all_ranks import (
+    insert_step_check,
+    needs_step_check,
+    record_step_collectives,
+)
 
 
 def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOptions, grad_sync=(REDUCE, None)):
@@ -74,9 +78,11 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     return prologue, computation, plan
 
 
-def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, group=None):
+def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, group=None, step_key: str | None = None):
     """Stages 5-7 on a final ``phase`` (``"forward"`` or ``"backward"``) trace: ``(trace, unit_of_collective)``,
-    the second mapping each collective's output name to its unit's name."""
+    the second mapping each collective's output name to its unit's name. ``step_key``: the compile's
+    :attr:`~fsdp_pass.compiled_step.CompiledStep.key`, under which its collectives are kept for the per-step
+    check (None: no check)."""
     found = units_of_collectives(trace, plan)
     if options.schedule is not None:
         kept = frozenset(  # gathers whose units stay gathered for the backward
@@ -86,8 +92,10 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         )
         trace = schedule_collectives(trace, options.schedule, kept)
     check_collective_lifetimes(trace)
-    if options.verify_ranks:
-        check_same_collectives_on_all_ranks(trace, phase, group)
+    if options.verify_ranks and step_key is not None and needs_step_check(group):
+        record_step_collectives(step_key, group, phase, trace, found)
+        if phase == "forward":
+            trace = insert_step_check(trace, step_key)
     trace = annotate_collectives(trace, plan, found)
     return trace, {name: unit.name for name, (unit, _) in found.items()}
 

@@ -15,6 +15,7 @@ from fsdp_pass.op_names import (
     ADD_ACCUMULATED_GRADS,
     ADD_ACCUMULATED_OP,
     ALL_GATHER_OP,
+    CHECK_SAME_COLLECTIVES,
     PACK_GRADS,
     PACK_GRADS_OP,
     PACK_SHARDS,
@@ -104,6 +105,11 @@ def is_unpack_grad_shard(bsym) -> bool:
     return _id(bsym) in _UNPACK_GRAD_SHARD
 
 
+def is_grad_accumulation(bsym) -> bool:
+    """``no_sync``'s ops: add a unit's unsharded gradients to its accumulator, or the accumulator to them."""
+    return _id(bsym) in _ACCUMULATION
+
+
 def is_unit_op(bsym) -> bool:
     """One of the pass's ops that pack, unpack or accumulate a unit's buffer; its second argument is the
     unit's name."""
@@ -144,6 +150,27 @@ _BOOKKEEPING = frozenset(
         "shallow_copy",
     }
 )
+
+
+_INPUT_UNPACKING = frozenset(
+    {
+        prims.PrimIDs.COMMENT,
+        prims.PrimIDs.UNPACK_TRIVIAL,
+        prims.PrimIDs.UNPACK_SEQUENCE,
+        prims.PrimIDs.UNPACK_KEY,
+        prims.PrimIDs.UNPACK_EMPTY_DICT,
+    }
+)
+
+
+def is_input_unpacking(bsym) -> bool:
+    """The lines a trace opens with: naming its inputs."""
+    return _id(bsym) in _INPUT_UNPACKING
+
+
+def is_step_check(bsym) -> bool:
+    """``check_same_collectives``: the per-step check that every rank issues the same collectives."""
+    return _id(bsym) == CHECK_SAME_COLLECTIVES
 
 
 def is_bookkeeping(bsym) -> bool:

@@ -16,6 +16,8 @@ Each compile is kept as one frozen :class:`~fsdp_pass.compiled_step.CompiledStep
 
 from __future__ import annotations
 
+import itertools
+
 import thunder
 from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
@@ -27,7 +29,7 @@ from fsdp_pass.errors import check
 from fsdp_pass.op_names import COMM_EXECUTOR
 from fsdp_pass.ops.grad_accumulation import GradAccumulators
 from fsdp_pass.plan.layout import shard_tensor
-from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.report.explain import Explanation, explain_step
@@ -35,6 +37,9 @@ from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.shard.global_view import gather_full
 from fsdp_pass.shard.state_dict import load_model_state_dict, model_state_dict
+
+
+_ORDINALS = itertools.count()
 
 
 class FSDP(Transform):
@@ -67,7 +72,12 @@ class FSDP(Transform):
             its all-gather and its gradient shard is copied back after its reduce-scatter.
         release_original_parameters: replace the original module's full tensors with meta tensors
             once sharded, so each rank holds 1/N of the parameters.
-        verify_ranks: at each compile, check that every rank issues the same collectives.
+        verify_ranks: at every step, before any collective, check that every rank's step issues the same
+            collectives (ranks may run inputs of different shapes; each compiles its own variant); where
+            they differ, every rank raises an FSDPError naming the first that differs.
+        timeout: seconds (or a ``timedelta``) a collective helper (``full_state_dict``, ``get_state_dict``,
+            ``save_checkpoint``, ...) waits for every rank to call it before raising an FSDPError that names
+            the ranks that did not; default 10 minutes.
     """
 
     def __init__(
@@ -85,6 +95,7 @@ class FSDP(Transform):
         offload_to=None,
         release_original_parameters: bool = True,
         verify_ranks: bool = True,
+        timeout=DEFAULT_TIMEOUT,
     ):
         self.options = FSDPOptions.resolve(
             strategy,
@@ -95,8 +106,12 @@ class FSDP(Transform):
             mixed_precision=mixed_precision,
             offload_to=offload_to,
             verify_ranks=verify_ranks,
+            timeout=timeout,
         )
         self.process_group = process_group
+        # the n-th FSDP made in this process: every rank makes its transforms in the same order, so this names
+        # the same model on every rank (collective helpers count their calls per model: verify.ranks_arrive)
+        self.ordinal = next(_ORDINALS)
         self.device = device
         self.broadcast_from = broadcast_from
         self.release_original_parameters = release_original_parameters
@@ -152,7 +167,9 @@ class FSDP(Transform):
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
         phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
         step = self.compiled_step
-        trace, units = finish_lowered(computation_trace, phase, step.plan, self.options, self.model.group)
+        trace, units = finish_lowered(
+            computation_trace, phase, step.plan, self.options, self.model.group, step_key=step.key
+        )
         self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace
 

@@ -69,12 +69,5 @@ def test_broadcast_from_out_of_range():
             thunder.jit(models.MLP(), transforms=[FSDP(broadcast_from=5)])
 
 
-def test_mismatched_inputs_raise_on_every_rank(ranks):
-    messages = ranks(2).run(rank_cases.mismatched_inputs, timeout=300)
-    for m in messages:
-        assert m.startswith("FSDPError"), m
-        assert "different collectives" in m and "inputs" in m, m
-
-
 def test_model_without_parameters_just_works(ranks):
     assert ranks(2).run(rank_cases.no_parameters) == [True, True]

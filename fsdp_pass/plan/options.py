@@ -7,6 +7,7 @@ an ``FSDPError`` that says what to pass instead. The functional (tutorial) path 
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +39,21 @@ def checkpoint_predicate(spec) -> Callable[[Unit], bool]:
     return spec
 
 
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def resolve_timeout(timeout) -> datetime.timedelta:
+    """``timeout=``: seconds or a ``timedelta``, more than zero."""
+    ok = isinstance(timeout, datetime.timedelta) or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool))
+    value = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout if ok else 0)
+    check(
+        ok and value.total_seconds() > 0,
+        f"timeout={timeout!r} is not a positive number of seconds or a datetime.timedelta.",
+        "Pass e.g. timeout=120 (seconds) or timeout=datetime.timedelta(minutes=2).",
+    )
+    return value
+
+
 @dataclass(frozen=True)
 class FSDPOptions:
     """Everything of ``FSDP(...)`` that decides what the passes write (see :class:`fsdp_pass.FSDP`)."""
@@ -49,7 +65,8 @@ class FSDPOptions:
     checkpoint_activations: Callable[[Unit], bool] = _never
     mixed_precision: MixedPrecision = FULL_PRECISION
     offload_to: str | None = None  # where shards, their gradients and the optimizer state live between uses
-    verify_ranks: bool = True  # check at each compile that every rank issues the same collectives
+    verify_ranks: bool = True  # check at every step that every rank issues the same collectives
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT  # how long a collective helper waits for every rank to arrive
 
     @classmethod
     def resolve(
@@ -63,6 +80,7 @@ class FSDPOptions:
         mixed_precision=None,
         offload_to=None,
         verify_ranks: bool = True,
+        timeout=DEFAULT_TIMEOUT,
     ) -> FSDPOptions:
         """The options from what a user passes to ``FSDP(...)``."""
         return cls(
@@ -74,4 +92,5 @@ class FSDPOptions:
             resolve_mixed_precision(mixed_precision),
             None if offload_to is None else str(offload_to),
             bool(verify_ranks),
+            resolve_timeout(timeout),
         )

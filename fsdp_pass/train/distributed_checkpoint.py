@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdp_pass.api import fsdp_of
+from fsdp_pass.api import arrived
 from fsdp_pass.errors import check, check_on_all_ranks, fail
 from fsdp_pass.train.state_dicts import get_state_dict, set_state_dict
 
@@ -87,7 +87,7 @@ def save_checkpoint(directory, jm, optimizers, *, step: int, extra=None, keep: i
         f"keep={keep!r} keeps no checkpoint.",
         "Pass None (keep all) or an int >= 1.",
     )
-    directory, group = Path(directory), fsdp_of(jm).group
+    directory, group = Path(directory), arrived(jm, "save_checkpoint()").group
     partial, final = partial_folder(directory, step), step_folder(directory, step)
     _on_rank0(group, lambda: (shutil.rmtree(partial, ignore_errors=True), directory.mkdir(parents=True, exist_ok=True)))
     model_sd, optim_sd = get_state_dict(jm, optimizers)
@@ -127,8 +127,8 @@ def save_checkpoint(directory, jm, optimizers, *, step: int, extra=None, keep: i
 
 
 def load_checkpoint(directory, jm, optimizers) -> Resumed | None:
+    group = arrived(jm, "load_checkpoint()").group
     found = complete_checkpoints(directory)
-    group = fsdp_of(jm).group
     # every rank must agree on which checkpoint it reads (a folder seen late on one rank would split them)
     newest = [str(found[-1][1]) if found else None]
     dist.broadcast_object_list(newest, src=dist.get_global_rank(group, 0), group=group)

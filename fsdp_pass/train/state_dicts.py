@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from fsdp_pass.api import fsdp_of
+from fsdp_pass.api import arrived, fsdp_of
 from fsdp_pass.errors import check
 from fsdp_pass.shard import state_dict as model_side
 from fsdp_pass.train import optimizer_state as optim_side
@@ -53,7 +53,7 @@ def get_model_state_dict(jm, *, options: StateDictOptions | None = None) -> dict
     options = _options(options)
     return model_side.model_state_dict(
         jm,
-        fsdp_of(jm).model,
+        arrived(jm, "get_model_state_dict()").model,
         full=options.full_state_dict,
         cpu_offload=options.cpu_offload,
         ignore_frozen=options.ignore_frozen_params,
@@ -62,8 +62,9 @@ def get_model_state_dict(jm, *, options: StateDictOptions | None = None) -> dict
 
 def get_optimizer_state_dict(jm, optimizers, *, options: StateDictOptions | None = None) -> dict:
     options = _options(options)
+    sharded = arrived(jm, "get_optimizer_state_dict()").model
     osd = optim_side.optimizer_state_dict(
-        jm, fsdp_of(jm).model, optimizers, full=options.full_state_dict, cpu_offload=options.cpu_offload
+        jm, sharded, optimizers, full=options.full_state_dict, cpu_offload=options.cpu_offload
     )
     return flatten(osd) if options.flatten_optimizer_state_dict and osd else osd
 
@@ -76,7 +77,7 @@ def set_model_state_dict(jm, model_state_dict: dict, *, options: StateDictOption
     options = _options(options)
     model_side.load_model_state_dict(
         jm,
-        fsdp_of(jm).model,
+        arrived(jm, "set_model_state_dict()").model,
         model_state_dict,
         form=_form(options),
         strict=options.strict,
@@ -93,7 +94,7 @@ def set_optimizer_state_dict(
         optim_state_dict = unflatten(optim_state_dict, jm, optimizers)
     optim_side.load_optimizer_state_dict(
         jm,
-        fsdp_of(jm).model,
+        arrived(jm, "set_optimizer_state_dict()").model,
         optimizers,
         optim_state_dict,
         form=_form(options),

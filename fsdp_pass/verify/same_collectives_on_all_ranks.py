@@ -1,79 +1,165 @@
-"""Check that every rank issues the same collectives, before any rank issues one that would hang.
+"""Every rank runs the same collectives at every step; where they would not, every rank raises before any is issued.
 
-``check_same_collectives_on_all_ranks(trace, phase, group)``: every rank must issue the same
-collectives in the same order.
+Ranks may run different compiled variants of the step: an input of another shape on one rank (a longer
+sequence, a smaller last batch) makes Thunder compile another trace there, at that step, on that rank alone.
+The parameter collectives do not depend on input shapes, so such variants can run side by side (as under
+DDP or FSDP2). What must agree is the sequence of collectives each variant issues: per collective its kind,
+its unit, its elements and dtype, in issue order, forward then backward. A model whose branches depend on
+the input (a layer used only for long sequences) can break that, at any step.
 
-At each compile, each rank reduces its final forward (or backward) trace to a fingerprint: the
-inputs it was compiled for and its collective sequence (kind, elements, dtype). Ranks exchange
-fingerprints (one small object all-gather on the FSDP group) and all raise the same error, naming
-the first difference, if any rank disagrees. A rank whose program would issue different
-collectives therefore stops at its first call instead of deadlocking in a mismatched collective.
+1. At each compile (stage 6 of :mod:`fsdp_pass.pipeline`), :func:`record_step_collectives` keeps each final
+   trace's sequence under the compile's key, and :func:`insert_step_check` starts the forward trace with
+   ``check_same_collectives(key)``, before any collective (``# [fsdp] check: ...`` above it).
+2. At every step that op reduces the variant's sequences to a 62-bit digest, and the ranks compare digests
+   with one all-reduce of two integers on a host-side gloo channel (:func:`fsdp_pass.groups.cpu_channel`):
+   nothing waits for the GPU.
+3. If the digests differ, the ranks exchange the sequences and every rank raises the same FSDPError, naming
+   the first collective that differs. No collective of the step has been issued yet: nothing hangs.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
 import torch.distributed as dist
+from thunder.core import prims
+from thunder.core.trace import TraceProvenance, from_trace
 
 from fsdp_pass.errors import fail
-from fsdp_pass.predicates import collective_kind, is_collective, is_unpack_trivial
+from fsdp_pass.groups import cpu_channel
+from fsdp_pass.op_names import CHECK_SAME_COLLECTIVES
+from fsdp_pass.predicates import collective_kind, is_input_unpacking
 
 
-def collective_sequence(trace) -> list[str]:
+@dataclass
+class StepCollectives:
+    """The collectives one compiled variant of the step issues, per phase, and the group they run on."""
+
+    group: object
+    phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _digest: int | None = None
+
+    def digest(self) -> int:
+        if self._digest is None:
+            text = repr(sorted(self.phases.items())).encode()
+            self._digest = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+        return self._digest
+
+
+_STEPS: dict[str, StepCollectives] = {}  # compile key -> its collectives (every variant this process compiled)
+
+
+def collective_calls(trace, found: dict) -> tuple[str, ...]:
+    """Each collective of ``trace`` in order, as ``"all-gather of unit 'layers.0': 1,024 x float32"``; ``found``:
+    output name -> (Unit, kind), from :func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives`."""
     out = []
     for b in trace.bound_symbols:
-        if is_collective(b):
-            t = b.flat_proxy_args[0]
-            out.append(f"{collective_kind(b)}({t.numel} x {t.dtype})")
-    return out
+        kind = collective_kind(b)
+        if kind is None:
+            continue
+        t = b.flat_proxy_args[0]
+        unit = found.get(b.output.name, (None,))[0]
+        of = f" of unit {unit.name!r}" if unit is not None else ""
+        out.append(f"{kind}{of}: {t.numel:,} x {str(t.dtype).removeprefix('thunder.dtypes.')}")
+    return tuple(out)
 
 
-def input_signature(trace) -> list[str]:
-    sig = []
-    for b in trace.bound_symbols:
-        if is_unpack_trivial(b):
-            o = b.output
-            shape = getattr(o, "shape", None)
-            if shape is not None:
-                sig.append(f"{o.name}: {o.dtype} {list(shape)}")
-    return sig
-
-
-def fingerprint(trace, phase: str) -> dict:
-    return {"phase": phase, "inputs": input_signature(trace), "collectives": collective_sequence(trace)}
+def record_step_collectives(key: str, group, phase: str, trace, found: dict) -> None:
+    """Keep the collectives of one final ``phase`` trace of the compile ``key``."""
+    step = _STEPS.setdefault(key, StepCollectives(group))
+    step.phases[phase] = collective_calls(trace, found)
+    step._digest = None
 
 
 def describe_difference(prints: list[dict]) -> str | None:
-    """None when all ranks agree, else a sentence naming the first difference."""
+    """None when every rank's sequences (``{phase: [collective, ...]}``) agree, else where the first two differ."""
     ref = prints[0]
-    for rank, fp in enumerate(prints[1:], start=1):
-        if fp == ref:
+    for rank, other in enumerate(prints[1:], start=1):
+        if other == ref:
             continue
-        lines = [f"rank 0 and rank {rank} would issue different collectives in the {ref['phase']}."]
-        if fp["inputs"] != ref["inputs"]:
-            lines.append(f"  rank 0 was compiled for inputs {ref['inputs']}")
-            lines.append(f"  rank {rank} was compiled for inputs {fp['inputs']}")
-        a, b = ref["collectives"], fp["collectives"]
-        for i in range(max(len(a), len(b))):
-            ca = a[i] if i < len(a) else "<none>"
-            cb = b[i] if i < len(b) else "<none>"
-            if ca != cb:
-                lines.append(f"  first difference at collective #{i}: rank 0 {ca} vs rank {rank} {cb}")
-                break
-        lines.append(f"  rank 0 issues {len(a)} collectives, rank {rank} issues {len(b)}.")
+        lines = [
+            f"rank 0 and rank {rank} are about to run steps that issue different collectives (their inputs may "
+            "differ in shape, but not in the collectives the step issues)."
+        ]
+        for phase in ("forward", "backward"):
+            a, b = ref.get(phase, ()), other.get(phase, ())
+            for i in range(max(len(a), len(b))):
+                ca = a[i] if i < len(a) else "nothing"
+                cb = b[i] if i < len(b) else "nothing"
+                if ca != cb:
+                    lines.append(f"  first difference, {phase} collective #{i}: rank 0 {ca}; rank {rank} {cb}")
+                    break
+            else:
+                continue
+            break
+        count = lambda p: " + ".join(str(len(p.get(ph, ()))) for ph in ("forward", "backward"))  # noqa: E731
+        lines.append(f"  collectives (forward + backward): rank 0 {count(ref)}, rank {rank} {count(other)}")
         return "\n".join(lines)
     return None
 
 
-def check_same_collectives_on_all_ranks(trace, phase: str, group) -> None:
-    if dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
-        return
-    mine = fingerprint(trace, phase)
-    prints: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(prints, mine, group=group)
-    diff = describe_difference(prints)
-    if diff is not None:
+DIFFERENT_TODO = (
+    "Make every rank's step issue the same collectives whatever its input: use the same modules in the same order "
+    "on every rank (no branch on the input's shape or values that skips or adds a layer), and enter no_sync() and "
+    "torch.no_grad() on every rank alike."
+)
+
+
+def check_same_collectives_impl(key: str) -> None:
+    """The op's body: compare this variant's digest across ranks; on a difference, raise on every rank."""
+    step = _STEPS[key]
+    channel = cpu_channel(step.group)
+    d = step.digest()
+    both = torch.tensor([d, -d], dtype=torch.int64)
+    try:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=channel)
+        if int(both[0]) == -int(both[1]):
+            return
+        prints: list = [None] * dist.get_world_size(channel)
+        dist.all_gather_object(prints, step.phases, group=channel)
+    except (RuntimeError, dist.DistError) as e:
         fail(
-            diff,
-            "Give every rank inputs of the same shapes and dtypes and the same model and options "
-            "(for a ragged last batch: pad it or drop it, e.g. DataLoader(drop_last=True)).",
+            f"Another rank did not come to this step's collective check ({type(e).__name__}: {e}). A rank stopped "
+            "(its process ended or raised: see its own error), or is running something else (a collective helper "
+            "such as full_state_dict() that this rank did not call).",
+            "Look at the other ranks' errors first; every rank must run the same steps and helpers in the same order.",
         )
+    fail(describe_difference(prints) or "the ranks' collective digests differ", DIFFERENT_TODO)
+
+
+def _check_same_collectives_meta(key: str) -> None:
+    return None
+
+
+check_same_collectives = prims.make_prim(
+    CHECK_SAME_COLLECTIVES,
+    "check_same_collectives",
+    meta=_check_same_collectives_meta,
+    python_impl=check_same_collectives_impl,
+    tags=(prims.OpTags.DONT_DCE,),
+)
+
+_HEADER = (
+    "[fsdp] check: every rank runs a step with these collectives (a digest of the forward's and the backward's, "
+    "one all-reduce on a host-side gloo channel); else every rank raises, naming the first that differs"
+)
+
+
+def needs_step_check(group) -> bool:
+    """A real group of more than one rank (the fake backend moves nothing; one rank has nobody to disagree with)."""
+    return group is not None and dist.get_backend(group) != "fake" and dist.get_world_size(group) > 1
+
+
+def insert_step_check(trace, key: str):
+    """``trace`` with ``check_same_collectives(key)`` before its first line that is not unpacking the inputs."""
+    bsyms = trace.bound_symbols
+    at = next((i for i, b in enumerate(bsyms) if not is_input_unpacking(b)), len(bsyms))
+    op = check_same_collectives.bind(
+        key, output=None, _call_ctx={"check_same_collectives": check_same_collectives_impl}
+    ).from_bsym(header=_HEADER)
+    new = from_trace(trace)
+    new.bound_symbols = [*bsyms[:at], op, *bsyms[at:]]
+    new.set_provenance(TraceProvenance("fsdp_pass: check that every rank runs the same collectives"))
+    return new
