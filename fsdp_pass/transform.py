@@ -36,6 +36,8 @@ from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.shard.global_view import gather_full
+from fsdp_pass.shard.original import remember_shards, restore_from_shards
+from fsdp_pass.shard.requires_grad import follow_requires_grad
 from fsdp_pass.shard.state_dict import load_model_state_dict, model_state_dict
 
 
@@ -144,6 +146,7 @@ class FSDP(Transform):
         group = check_process_group(self.process_group)
         check_not_sharded_yet(model)
         ensure_comm_executor(model)
+        restore_from_shards(model)  # jitted again: start from the weights an earlier FSDP jit holds
         self.model = shard_module(
             model,
             group,
@@ -154,7 +157,9 @@ class FSDP(Transform):
             self.options.offload_to,
         )
         model._fsdp_pass_plan = self.model.sharding
+        remember_shards(model, self.model, released=self.release_original_parameters)
         install_state_dict_methods(model, self.model)
+        follow_requires_grad(model, self)
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         grad_sync = (self.accumulators.mode(), self.accumulators)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from thunder.core.module import ThunderModule
 
 from fsdp_pass.errors import check, fail
 from fsdp_pass.plan.layout import ShardLayout, shard_tensor
@@ -181,6 +182,7 @@ def check_process_group(process_group):
 
 
 def check_not_sharded_yet(thunder_module) -> None:
+    _check_not_jitted(thunder_module._model)
     if getattr(thunder_module._model, "use_fsdp", False):
         fail(
             "This model is already sharded by thunder.distributed.fsdp.",
@@ -189,5 +191,24 @@ def check_not_sharded_yet(thunder_module) -> None:
     if getattr(thunder_module, "_fsdp_pass_plan", None) is not None:
         fail(
             "fsdp_pass.FSDP was applied twice to the same model.",
-            "Pass a single FSDP(...) in transforms=[...]; to change the strategy, jit the original model again.",
+            "Pass a single FSDP(...) in transforms=[...]; to change the strategy, jit the original model again "
+            "(it starts from this module's current weights).",
         )
+
+
+def _check_not_jitted(module) -> None:
+    """The module given to thunder.jit must not be one thunder.jit returned (one would wrap the other)."""
+    if not isinstance(module, ThunderModule):
+        return
+    sharded = getattr(module, "_fsdp_pass_plan", None) is not None
+    fail(
+        "thunder.jit was given a module that thunder.jit returned"
+        + (" (sharded by fsdp_pass.FSDP: its shards hold the weights)." if sharded else "."),
+        "Jit the original module instead, thunder.jit(jm._model, transforms=[fsdp_pass.FSDP(...)])"
+        + (
+            ": it starts from the jitted module's current weights (e.g. to change the strategy); make a new "
+            "optimizer over the new module's parameters."
+            if sharded
+            else "."
+        ),
+    )
