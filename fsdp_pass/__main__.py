@@ -1,51 +1,81 @@
 """``python -m fsdp_pass explain``: a dry run at any world size on one CPU (see :mod:`fsdp_pass.report.dry_run`).
 
     python -m fsdp_pass explain --world-size 64 --strategy zero3 --model llama2-7b --out dry_run/
+    python -m fsdp_pass explain --world-size 8 --model hf:path/to/Llama-3.2-1B/config.json --seq 2048
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
-peak memory per rank, and writes the forward and backward traces to ``--out``.
+peak memory per rank, and writes the forward and backward traces to ``--out``. ``--model`` takes what
+:mod:`fsdp_pass.model_spec` builds: a built-in config, a Hugging Face config, or a factory of your own.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 
 from fsdp_pass import zoo
 from fsdp_pass.errors import FSDPError
+from fsdp_pass.model_spec import FACTORY_FORMS, build_model
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.explain import OPTIMIZER_STATES
+from fsdp_pass.text import human_count
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+_MODEL_HELP = f"""\
+--model takes one of:
+  {', '.join(zoo.CONFIGS)}
+      a built-in Llama-style config (its loss inside); --layers, --seq, --batch override it
+  hf:<config.json or folder>
+      a Hugging Face causal LM built from its config alone (transformers; no weights, no network),
+      fed input_ids and labels of --batch (default 1) x --seq (default: its context, at most 4096)
+      tokens; --layers overrides num_hidden_layers
+  package.module:factory
+      a function of no arguments, called under torch.device("meta"), returning
+      {FACTORY_FORMS}: args a tuple of positional inputs, kwargs a dict
+      of keyword inputs, e.g. return model, {{"input_ids": ids, "labels": ids}}
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fsdp_pass")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("explain", help="dry run: plan, schedule, bytes and memory per rank at any world size")
+    p = commands.add_parser(
+        "explain",
+        help="dry run: plan, schedule, bytes and memory per rank at any world size",
+        description="A dry run: the plan, schedule, bytes and memory per rank of one training step at any "
+        "world size, on one CPU, without allocating the model.",
+        epilog=_MODEL_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--strategy", choices=["zero2", "zero3"], default="zero3")
     p.add_argument(
         "--model",
         required=True,
-        help=f"a built-in config ({', '.join(zoo.CONFIGS)}) or 'package.module:factory' returning (module, args)",
+        help="a built-in config, hf:<config.json or folder>, or package.module:factory (see below)",
     )
     p.add_argument("--units", default="blocks", help="'blocks', 'per_parameter', or 'size:<MiB>' (BySize)")
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (-1: Thunder's order)")
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATES))
-    p.add_argument("--layers", type=int, default=None, help="override the built-in config's number of layers")
-    p.add_argument("--seq", type=int, default=None, help="override the built-in config's sequence length")
-    p.add_argument("--batch", type=int, default=None, help="override the built-in config's batch per rank")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (built-in and hf: models)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (built-in and hf: models)")
+    p.add_argument("--batch", type=int, default=None, help="batch per rank (built-in and hf: models)")
     p.add_argument("--param-dtype", choices=sorted(_DTYPES), default=None, help="mixed precision: gather+compute dtype")
     p.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default="float32", help="mixed precision: reduce dtype")
     p.add_argument("--offload", action="store_true", help="shards, gradients, optimizer state on the CPU")
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing in every unit")
+    p.add_argument(
+        "--no-sync", action="store_true", help="also show what no_sync() gradient accumulation holds per rank"
+    )
     p.add_argument("--out", default=None, help="folder for forward_trace.py, backward_trace.py, explain.txt")
     return parser
 
@@ -57,20 +87,20 @@ def _units(spec: str):
 
 
 def explain_command(ns) -> int:
-    overrides = {"n_layer": ns.layers, "seq": ns.seq, "local_batch": ns.batch} if ":" not in ns.model else {}
-    module, args = zoo.build(ns.model, "meta", **overrides)
-    print(f"model {ns.model}: {zoo.param_count(module) / 1e9:.3g} B parameters (meta device, nothing allocated)")
-    shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in args if hasattr(a, "shape"))
-    print(f"example inputs per rank: {shapes}")
+    model = build_model(ns.model, "meta", layers=ns.layers, seq=ns.seq, batch=ns.batch)
+    parameters = zoo.param_count(model.module)
+    print(f"model {ns.model}: {human_count(parameters)} parameters (meta device, nothing allocated)")
+    print(f"example inputs per rank: {model.describe_inputs()}")
     schedule = None if ns.prefetch < 0 else Schedule(prefetch=ns.prefetch)
     precision = None
     if ns.param_dtype:
         precision = MixedPrecision(_DTYPES[ns.param_dtype], _DTYPES[ns.reduce_dtype], output_dtype=torch.float32)
     run = dry_run(
-        module,
-        args,
+        model.module,
+        model.args,
         ns.world_size,
         ns.strategy,
+        kwargs=model.kwargs,
         units=_units(ns.units),
         schedule=schedule,
         optimizer=ns.optimizer,
@@ -81,6 +111,8 @@ def explain_command(ns) -> int:
     print(
         f"traced and lowered as rank 0 of {ns.world_size} in {run.compile_seconds:.1f} s; executors: {', '.join(run.executors)}"
     )
+    if ns.no_sync:
+        run = replace(run, explanation=run.explanation.with_no_sync())
     print()
     print(run.explanation)
     if ns.out:

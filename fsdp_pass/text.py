@@ -1,4 +1,4 @@
-"""Text for people: byte counts, tables, and the header every inserted collective carries."""
+"""Text for people: byte counts, parameter counts, tables, and the header every inserted collective carries."""
 
 from __future__ import annotations
 
@@ -11,6 +11,19 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def human_count(n: int) -> str:
+    """A count as a person reads it: three significant digits and K, M, B or T (powers of 1000), e.g.
+    ``112 K``, ``6.74 B``; below a thousand, the number itself."""
+    if abs(n) < 1000:
+        return str(n)
+    for power, unit in enumerate(("K", "M", "B"), start=1):
+        value = f"{n / 1000**power:.3g}"
+        if abs(float(value)) < 1000:
+            return f"{value} {unit}"
+    trillions = n / 1000**4
+    return f"{trillions:.3g} T" if abs(trillions) < 999.5 else f"{trillions:,.0f} T"
 
 
 def format_table(cols, rows) -> list[str]:

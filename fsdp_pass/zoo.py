@@ -1,9 +1,9 @@
 """Built-in models: a Llama-style decoder LM in named sizes, for dry runs, the benchmark and the notebooks.
 
-``build(spec, device="meta") -> (module, example_args)``: ``spec`` names a config in :data:`CONFIGS`
-(``llama2-7b`` is Llama-2-7B's shape: 6.74 B parameters) or is ``"package.module:factory"``, a
-function of no arguments returning ``(module, example_args)``. Built on the meta device nothing is
-allocated, so a 7B model fits a laptop; the dry run traces it as it is.
+``build(name, device="meta") -> (module, example_args)``: ``name`` names a config in :data:`CONFIGS`
+(``llama2-7b`` is Llama-2-7B's shape: 6.74 B parameters). Built on the meta device nothing is
+allocated, so a 7B model fits a laptop; the dry run traces it as it is. (The dry-run CLI also takes
+Hugging Face configs and factories of your own: :mod:`fsdp_pass.model_spec`.)
 
 The model: token embedding -> N decoder layers (RMSNorm, causal attention with q/k/v/o projections,
 RMSNorm, SwiGLU MLP) -> final RMSNorm -> lm_head (not tied). No biases, no positional encoding (it
@@ -14,14 +14,13 @@ predicted from them) cover the whole step.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_pass.errors import check, fail
+from fsdp_pass.errors import check
 
 
 @dataclass(frozen=True)
@@ -127,37 +126,18 @@ CONFIGS = {
 }
 
 
-def build(spec: str, device: str | torch.device = "meta", **overrides):
-    """(module, example_args) for ``spec`` on ``device``; ``overrides`` change fields of a named config."""
-    if ":" in spec:
-        return _from_factory(spec, device)
+def build(name: str, device: str | torch.device = "meta", **overrides):
+    """(module, example_args) for the config ``name`` on ``device``; ``overrides`` change fields of it."""
     check(
-        spec in CONFIGS,
-        lambda: f"Unknown model {spec!r}.",
-        f"Name one of {sorted(CONFIGS)}, or give 'package.module:factory' (a function returning (module, args)).",
+        name in CONFIGS,
+        lambda: f"Unknown model {name!r}.",
+        f"Name one of {sorted(CONFIGS)} (fsdp_pass.model_spec also builds Hugging Face configs and factories).",
     )
-    cfg = replace(CONFIGS[spec], **{k: v for k, v in overrides.items() if v is not None})
+    cfg = replace(CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None})
     with torch.device(device):
         module = WithLoss(LlamaLM(cfg))
         idx = torch.zeros(cfg.local_batch, cfg.seq, dtype=torch.long)
     return module, (idx, idx.clone())
-
-
-def _from_factory(spec: str, device):
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        fail(f"Cannot load the model factory {spec!r}: {e}.", "Give 'package.module:function', importable here.")
-    with torch.device(device):
-        built = factory()
-    check(
-        isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module),
-        lambda: f"The factory {spec!r} returned {type(built).__name__}, not (module, example_args).",
-        "Return a tuple (torch.nn.Module, tuple of example inputs) from the factory.",
-    )
-    module, args = built
-    return module, tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
 
 def param_count(model: nn.Module) -> int:

@@ -9,11 +9,12 @@ import pytest
 import thunder
 import torch
 
-from fsdp_pass import FSDP, FSDPError, explain, fake_process_group
+from fsdp_pass import FSDP, FSDPError, explain, fake_process_group, zoo
 from fsdp_pass.__main__ import main
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.memory import GATHERED, step_memory
 from fsdp_pass.predicates import is_all_gather
+from fsdp_pass.text import human_bytes, human_count
 from tests import explain_cases
 from tests.dry_runs import model_dry_run
 
@@ -70,7 +71,33 @@ def test_explain_table_names_every_unit_and_collective(measured_and_dry):
         assert bool(u.backward_gathers) == (u.reshard_after_forward and u.name != "model.embed"), u
     assert f"strategy={strategy} world_size=2" in text
     assert "x the floor" in text and "Predicted memory per rank" in text
-    assert measured[0]["text"].splitlines()[2:6] == text.splitlines()[2:6]  # same unit rows as the real rank
+    rows = slice(3, 3 + len(e.units))  # the header, the column titles, the rule, then one row per unit
+    assert text.splitlines()[rows][0].startswith(e.units[0].name)
+    # the same units, sizes, padding and resharding as the real rank (op positions differ: a real run's
+    # forward starts with the check that every rank runs the same collectives, a fake group's does not)
+    sizes = [line.split()[:8] for line in text.splitlines()[rows]]
+    assert [line.split()[:8] for line in measured[0]["text"].splitlines()[rows]] == sizes
+    assert "no_sync" not in measured[0]["text"]  # the real rank never entered no_sync()
+
+
+def test_explain_lists_only_the_options_set_and_notes_that_apply():
+    """No option set: nothing between the header and the table. no_sync's accumulators are a note, shown for
+    a compile made under no_sync (tests/test_no_sync.py) or when asked for; clipping advice too, at world > 1."""
+    plain = model_dry_run(2, "zero3").explanation
+    text = str(plain)
+    assert plain.options == () and text.splitlines()[1].startswith("unit ")
+    assert "no_sync" not in text and not plain.no_sync
+    assert text.split("\nNotes:\n")[1].splitlines() == [f"  {n}" for n in plain.notes]
+    assert len(plain.notes) == 1 and plain.notes[0].startswith("clipping: fsdp_pass.clip_grad_norm_")
+
+    asked = plain.with_no_sync()
+    accumulators = [n for n in asked.notes if n.startswith("no_sync accumulators")]
+    assert len(accumulators) == 1 and human_bytes(plain.memory.accumulator_bytes) in accumulators[0]
+    assert accumulators[0] in str(asked) and str(asked).startswith(text.split("\nNotes:\n")[0])
+
+    checkpointed = model_dry_run(8, "zero3", checkpoint_activations=True).explanation  # test_checkpoint's too
+    assert [o.split(":")[0] for o in checkpointed.options] == ["activation checkpointing"]
+    assert "no_sync" not in str(checkpointed)
 
 
 def test_explain_of_a_plan_alone():
@@ -142,8 +169,12 @@ def test_every_inserted_op_is_labelled_in_the_printed_traces():
 def test_cli_dry_run_of_a_7b_shaped_model_at_world_64(tmp_path, capsys):
     """Llama-2-7B's widths (4 of its 32 layers, to keep the suite fast; the full model compiles in ~90 s)."""
     argv = ["explain", "--world-size", "64", "--strategy", "zero3", "--model", "llama2-7b", "--layers", "4"]
-    assert main([*argv, "--seq", "256", "--out", str(tmp_path)]) == 0
+    assert main([*argv, "--seq", "256", "--no-sync", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    c = zoo.CONFIGS["llama2-7b"]
+    per_layer = 4 * c.d * c.d + 3 * c.d * c.hidden + 2 * c.d  # q, k, v, o; gate, up, down; two norms
+    assert f"model llama2-7b: {human_count(2 * c.vocab * c.d + 4 * per_layer + c.d)} parameters" in out  # 1.07 B
+    assert "\nNotes:\n  no_sync accumulators " in out  # asked for with --no-sync
     assert "FSDP explain: strategy=zero3 world_size=64 units=6" in out
     assert "model.layers.3" in out and "Predicted memory per rank" in out and "x the floor" in out
     forward = (tmp_path / "forward_trace.py").read_text()

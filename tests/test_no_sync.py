@@ -10,7 +10,8 @@ import thunder
 import torch
 from fsdp_pass_executors import executors_for
 
-from fsdp_pass import FSDP, FSDPError, fake_process_group, no_sync
+from fsdp_pass import FSDP, FSDPError, explain, fake_process_group, no_sync
+from fsdp_pass.text import human_bytes
 from tests import models, rank_cases
 
 TOL = 1e-5  # float32
@@ -41,6 +42,9 @@ def test_the_comm_executor_is_put_first_when_the_list_lacks_it():
         with no_sync(jm):
             jm(x).sum().backward()
         assert "fsdp_accumulate_unsharded_grads(" in str(thunder.last_backward_traces(jm)[-1])
+        # compiled under no_sync: explain() says what the accumulators hold without being asked
+        e = explain(jm)
+        assert e.no_sync and f"no_sync accumulators {human_bytes(e.memory.accumulator_bytes)}" in str(e)
 
 
 def test_no_sync_on_a_model_without_fsdp():

@@ -1,12 +1,14 @@
 """A dry run: the traces and the explanation of one FSDP training step at any world size, in one process,
 without allocating the model.
 
-``dry_run(module, args, world_size, strategy, ...) -> DryRun``
+``dry_run(module, args, world_size, strategy, kwargs=..., ...) -> DryRun``
 
-1. The module and its example inputs live on the meta device: shapes and dtypes, no storage.
+1. The module and its example inputs (positional ``args``, keyword ``kwargs``) live on the meta device:
+   shapes and dtypes, no storage.
 2. A fake process group of ``world_size`` stands in for the ranks (nothing is communicated).
 3. ``thunder.jit(module, transforms=[FSDP(..., device="meta")])`` compiles the step as rank 0 would,
-   without running it: the same units, collectives, schedule and labels as a real run.
+   without running it: the same units, collectives, schedule and labels as a real run. ``torch.autocast``
+   regions the model opens on the meta device stand for the CPU's (:mod:`fsdp_pass.report.meta_autocast`).
 4. :func:`~fsdp_pass.report.explain.explain_step` reads the final traces: per-unit schedule, bytes, predicted memory.
 """
 
@@ -23,6 +25,7 @@ from fsdp_pass_executors import executors_for
 from fsdp_pass.errors import check
 from fsdp_pass.groups import fake_process_group
 from fsdp_pass.report.explain import Explanation, explain_step
+from fsdp_pass.report.meta_autocast import autocast_on_meta_as
 from fsdp_pass.transform import FSDP
 
 
@@ -46,14 +49,17 @@ class DryRun:
         return [folder / name for name in files]
 
 
-def _on_meta(module: torch.nn.Module, args) -> tuple:
+def _check_on_meta(module: torch.nn.Module) -> None:
     tensors = list(module.parameters()) + list(module.buffers())
     check(
         all(t.is_meta for t in tensors),
         "A dry run traces a model on the meta device, and this one has tensors with storage.",
         "Build it under `with torch.device('meta'):` (nothing is allocated), or use fsdp_pass.zoo.build(spec).",
     )
-    return tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _input_on_meta(value):
+    return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
 
 
 def dry_run(
@@ -62,27 +68,31 @@ def dry_run(
     world_size: int,
     strategy: str = "zero3",
     *,
+    kwargs: dict | None = None,
     executors=None,
     optimizer="adam",
     **fsdp_kwargs,
 ) -> DryRun:
-    """Compile one step of ``module(*args)`` as rank 0 of ``world_size`` ranks would, and explain it.
+    """Compile one step of ``module(*args, **kwargs)`` as rank 0 of ``world_size`` ranks would, and explain it.
 
-    ``executors``: Thunder executors to lower with (default: this project's CPU list); ``fsdp_kwargs``
-    go to :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
+    ``kwargs``: the model's keyword inputs (e.g. ``{"input_ids": ..., "labels": ...}``); ``executors``:
+    Thunder executors to lower with (default: this project's CPU list); ``fsdp_kwargs`` go to
+    :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
     """
     check(
         isinstance(world_size, int) and world_size >= 1,
         f"world_size must be a positive int, got {world_size!r}.",
         "Pass the number of ranks to plan for, e.g. 64.",
     )
-    args = _on_meta(module, args)
+    _check_on_meta(module)
+    args = tuple(map(_input_on_meta, args))
+    kwargs = {name: _input_on_meta(value) for name, value in (kwargs or {}).items()}
     executors = executors if executors is not None else executors_for("cpu")
     t0 = time.perf_counter()
-    with fake_process_group(world_size):
+    with fake_process_group(world_size), autocast_on_meta_as("cpu"):
         fsdp = FSDP(strategy, device="meta", **fsdp_kwargs)
         jm = thunder.jit(module, transforms=[fsdp], executors=executors)
-        thunder.compile_data(jm).get_computation_and_inputs(*args)
+        thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     seconds = time.perf_counter() - t0
     step = fsdp.compiled_step
     return DryRun(explain_step(step, optimizer), step.forward, step.backward, tuple(e.name for e in executors), seconds)

@@ -11,9 +11,12 @@ training step, or a dry run) prints
 3. per rank: predicted peak memory = sharded parameters + optimizer state + the step's peak (from the
    traces, :mod:`fsdp_pass.report.memory`), with the peak split into gathered parameters, tensors saved for
    the backward and everything else (activations, gradients, temporaries). With ``offload_to`` the
-   shards, their gradients and the optimizer state are counted on the host, not the device; the
-   accumulators :func:`fsdp_pass.no_sync` fills are listed apart;
-4. the options in force: mixed precision, offload, gradient accumulation, checkpointed units.
+   shards, their gradients and the optimizer state are counted on the host, not the device;
+4. under the header, the options the user set: mixed precision, offload, checkpointed units (nothing when
+   none is);
+5. notes, only where they apply: what :func:`fsdp_pass.no_sync`'s accumulators hold, when the compile was
+   made under ``no_sync`` (its backward accumulates or flushes) or when asked for with
+   :meth:`Explanation.with_no_sync`; how to clip gradients, when there is more than one rank.
 
 ``explain_plan(plan)`` on a :class:`~fsdp_pass.plan.units.UnitPlan` alone gives the sizes and the floors:
 the schedule and the step's memory need the traces.
@@ -21,7 +24,7 @@ the schedule and the step's memory need the traces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fsdp_pass.compiled_step import CompiledStep
 from fsdp_pass.errors import fail
@@ -29,6 +32,7 @@ from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.predicates import is_grad_accumulation
 from fsdp_pass.report.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
 from fsdp_pass.report.overlap import CollectiveOverlap, step_overlap
 from fsdp_pass.report.step_stats import StepStats, floor_bytes, step_stats
@@ -86,7 +90,24 @@ class Explanation:
     memory: MemoryPrediction
     stats: StepStats | None  # the collectives of the traces; None for a plan alone
     param_bytes: int  # all parameters, unsharded
-    options: tuple[str, ...] = ()  # one line per option in force (mixed precision, offload, no_sync, ...)
+    options: tuple[str, ...] = ()  # one line per option the user set (mixed precision, offload, checkpointing)
+    no_sync: bool = False  # show what no_sync()'s accumulators hold (the compile was made under no_sync, or asked)
+
+    def with_no_sync(self) -> Explanation:
+        """This explanation with a note of what :func:`fsdp_pass.no_sync`'s accumulators would hold per rank
+        (shown without asking only when the compile was made under ``no_sync``)."""
+        return replace(self, no_sync=True)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One line per note that applies: no_sync's accumulators (see :attr:`no_sync`), clipping (world > 1)."""
+        notes = [self._accumulator_note()] if self.no_sync else []
+        if self.world_size > 1:
+            notes.append(
+                "clipping: fsdp_pass.clip_grad_norm_(model, max_norm) clips by the whole model's norm; "
+                "torch.nn.utils.clip_grad_norm_ would see only this rank's shards (a different norm on each rank)"
+            )
+        return tuple(notes)
 
     @property
     def world_size(self) -> int:
@@ -111,7 +132,8 @@ class Explanation:
         return None if self.stats is None else self.stats.bytes_per_rank
 
     def __str__(self) -> str:
-        return "\n".join([*self._unit_table(), "", *self._totals()])
+        notes = ["", "Notes:", *(f"  {n}" for n in self.notes)] if self.notes else []
+        return "\n".join([*self._unit_table(), "", *self._totals(), *notes])
 
     def _unit_table(self) -> list[str]:
         sp = self.plan.sharding
@@ -168,21 +190,24 @@ class Explanation:
         return lines
 
     def _state_lines(self) -> list[str]:
-        """What lives between steps: shards, optimizer state (and no_sync's accumulators)."""
+        """What lives between steps: shards and optimizer state."""
         m = self.memory
         where = f"  (on {m.offloaded_to})" if m.offloaded_to else ""
-        lines = [
+        return [
             f"  sharded parameters      {human_bytes(m.sharded_params):>10}{where}",
             f"  optimizer state         {human_bytes(m.optimizer_state):>10}  "
             f"({m.optimizer_states_per_element} state(s) per trainable element, e.g. Adam 2, SGD+momentum 1)"
             + (f", on {m.offloaded_to}" if m.offloaded_to else ""),
         ]
-        if m.accumulator_bytes:
-            lines.append(
-                f"  no_sync accumulators    {human_bytes(m.accumulator_bytes):>10}  (unsharded gradients, held from "
-                "the first micro-batch in no_sync() to the step after it)"
-            )
-        return lines
+
+    def _accumulator_note(self) -> str:
+        m = self.memory
+        return (
+            f"no_sync accumulators {human_bytes(m.accumulator_bytes)} per rank, not in the peak above: inside "
+            "no_sync() each backward adds every unit's unsharded gradient to them (vs "
+            f"{human_bytes(m.gradient_shards)} of gradient shards) and issues no reduce-scatter; the first "
+            "backward after the block reduce-scatters their sum"
+        )
 
     def _step_lines(self) -> list[str]:
         """The step's peak, by kind, and the total."""
@@ -292,23 +317,14 @@ def _memory(plan: UnitPlan, step: CompiledStep | None, optimizer, precision, off
     )
 
 
-def _options(memory: MemoryPrediction, plan: UnitPlan, precision: MixedPrecision, offload_to) -> tuple[str, ...]:
-    """One line per option in force."""
+def _options(plan: UnitPlan, precision: MixedPrecision, offload_to) -> tuple[str, ...]:
+    """One line per option the user set."""
     options = [f"mixed precision: {precision.describe()}"] if precision != FULL_PRECISION else []
     if offload_to is not None:
         options.append(
             f"offload: shards, gradient shards and optimizer state live on {offload_to}; each unit is copied to the "
             "device before its gather, each gradient shard back after its reduce-scatter"
         )
-    options.append(
-        f"no_sync(): accumulating gradients holds {human_bytes(memory.accumulator_bytes)} of unsharded gradients "
-        f"per rank (vs {human_bytes(memory.gradient_shards)} of gradient shards) and skips every reduce-scatter "
-        "until the step after it"
-    )
-    options.append(
-        "clipping: fsdp_pass.clip_grad_norm_(model, max_norm) clips by the whole model's norm; "
-        "torch.nn.utils.clip_grad_norm_ would see only this rank's shards (a different norm on each rank)"
-    )
     if plan.checkpointed:
         options.append(
             f"activation checkpointing: {len(plan.checkpointed)} unit(s), recomputed from the backward's gather"
@@ -325,8 +341,14 @@ def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision
         memory,
         step_stats(step.forward, step.backward, plan.sharding.world_size) if step is not None else None,
         sum(p.layout.numel * p.itemsize for p in owners),
-        _options(memory, plan, precision, offload_to),
+        _options(plan, precision, offload_to),
+        step is not None and _made_under_no_sync(step),
     )
+
+
+def _made_under_no_sync(step: CompiledStep) -> bool:
+    """Whether the step's backward accumulates gradients (inside no_sync) or adds them (right after it)."""
+    return step.backward is not None and any(map(is_grad_accumulation, step.backward.bound_symbols))
 
 
 def explain_step(step: CompiledStep, optimizer="adam") -> Explanation:
