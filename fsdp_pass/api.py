@@ -19,7 +19,6 @@ from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.report.explain import Explanation, explain_plan
 from fsdp_pass.shard import state_dict
 from fsdp_pass.transform import FSDP
-from fsdp_pass.verify.ranks_arrive import ranks_arrive
 
 
 def fsdp_of(jitted) -> FSDP:
@@ -37,7 +36,7 @@ def arrived(jitted, what: str) -> FSDP:
     """The :class:`FSDP` transform of ``jitted``, once every rank of its group has called the collective helper
     ``what`` (an FSDPError naming the ranks that did not, after ``FSDP(timeout=...)``)."""
     fsdp = fsdp_of(jitted)
-    ranks_arrive(what, fsdp.group, fsdp.options.timeout, scope=f"model{fsdp.ordinal}")
+    fsdp.arrive(what)
     return fsdp
 
 

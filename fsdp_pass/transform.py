@@ -39,6 +39,7 @@ from fsdp_pass.shard.global_view import gather_full
 from fsdp_pass.shard.original import remember_shards, restore_from_shards
 from fsdp_pass.shard.requires_grad import follow_requires_grad
 from fsdp_pass.shard.state_dict import load_model_state_dict, model_state_dict
+from fsdp_pass.verify.ranks_arrive import ranks_arrive
 
 
 _ORDINALS = itertools.count()
@@ -158,7 +159,7 @@ class FSDP(Transform):
         )
         model._fsdp_pass_plan = self.model.sharding
         remember_shards(model, self.model, released=self.release_original_parameters)
-        install_state_dict_methods(model, self.model)
+        install_state_dict_methods(model, self)
         follow_requires_grad(model, self)
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
@@ -185,6 +186,11 @@ class FSDP(Transform):
     def explain(self, optimizer="adam") -> Explanation:
         """The per-unit table and per-rank totals of the latest compile (:func:`fsdp_pass.explain`)."""
         return explain_step(self._compiled("explain()"), optimizer=optimizer)
+
+    def arrive(self, what: str) -> None:
+        """Return once every rank of the group has called the collective helper ``what`` on this model; an
+        FSDPError naming the ranks that did not after ``FSDP(timeout=...)`` (:mod:`fsdp_pass.verify.ranks_arrive`)."""
+        ranks_arrive(what, self.group, self.options.timeout, scope=f"model{self.ordinal}")
 
     def _compiled(self, what: str) -> CompiledStep:
         check(
@@ -218,22 +224,24 @@ class FSDP(Transform):
         return out
 
 
-def install_state_dict_methods(thunder_module, sharded: ShardedModel) -> None:
+def install_state_dict_methods(thunder_module, fsdp: FSDP) -> None:
     """``jm.state_dict()`` and ``jm.load_state_dict()`` of the sharded model, as FSDP2's are: every key of the
     original module (tied names too), each parameter a DTensor ``Shard(0)`` view of its shard, so
     ``torch.distributed.checkpoint`` saves the whole model (Thunder's own methods give each rank's padded
     shard under the full name: a checkpoint of them holds one rank's rows). ``load_state_dict`` takes that
     form, or full tensors of the full shapes. ``original_state_dict()`` gathers the full tensors, every key
-    (Thunder's names a root module's own parameters ``".name"``)."""
+    (Thunder's names a root module's own parameters ``".name"``). The last two are collective: every rank
+    arrives first (:meth:`FSDP.arrive`). Each reads the transform's current ``ShardedModel``."""
 
     def state_dict(*, destination=None, prefix: str = "", keep_vars: bool = False):
         out = {} if destination is None else destination
-        out.update({prefix + k: v for k, v in model_state_dict(thunder_module, sharded).items()})
+        out.update({prefix + k: v for k, v in model_state_dict(thunder_module, fsdp.model).items()})
         return out
 
     def original_state_dict(*, destination=None, prefix: str = "", keep_vars: bool = False):
         out = {} if destination is None else destination
-        out.update({prefix + k: v for k, v in model_state_dict(thunder_module, sharded, full=True).items()})
+        fsdp.arrive("jm.original_state_dict()")
+        out.update({prefix + k: v for k, v in model_state_dict(thunder_module, fsdp.model, full=True).items()})
         return out
 
     def load_state_dict(state_dict, strict: bool = True, assign: bool = False):
@@ -242,7 +250,8 @@ def install_state_dict_methods(thunder_module, sharded: ShardedModel) -> None:
             "load_state_dict(assign=True) would replace the shards by the loaded tensors.",
             "Load with assign=False (the default): values are cut to this rank's shard and copied into it.",
         )
-        load_model_state_dict(thunder_module, sharded, state_dict, form="any", strict=strict)
+        fsdp.arrive("jm.load_state_dict()")
+        load_model_state_dict(thunder_module, fsdp.model, state_dict, form="any", strict=strict)
 
     # instance attributes: this ThunderModule only, not the class every jitted model shares
     thunder_module.state_dict = state_dict

@@ -30,7 +30,6 @@ from thunder.core.interpreter import is_jitting
 from fsdp_pass.errors import check, fail
 from fsdp_pass.shard.global_view import gather_full
 from fsdp_pass.shard.module import ShardedModel
-from fsdp_pass.verify.ranks_arrive import ranks_arrive
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def restore_from_shards(thunder_module) -> None:
         )
         return  # the original kept its own full tensors (release_original_parameters=False): jit those
     # collective: a rank that does not jit again makes the others raise within the timeout, not hang
-    ranks_arrive(REJIT, fsdp.model.group, fsdp.options.timeout, scope=f"model{fsdp.ordinal}")
+    fsdp.arrive(REJIT)
     with torch.no_grad():
         _restore_parameters(original, holder, fsdp.model)
         _restore_buffers(original, holder)
