@@ -26,7 +26,6 @@ from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.explain import OPTIMIZER_STATES
 from fsdp_pass.text import human_count
 
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

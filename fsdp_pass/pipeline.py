@@ -41,8 +41,8 @@ from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.plan.options import FSDPOptions
-from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.plan_units import plan_units
+from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.shard.module import ShardedModel

@@ -23,24 +23,23 @@ from thunder.core.trace import TraceTag
 from thunder.core.transform_common import Transform
 from thunder.extend import get_executor
 
-from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.compiled_step import CompiledStep
 from fsdp_pass.errors import check
 from fsdp_pass.op_names import COMM_EXECUTOR
 from fsdp_pass.ops.grad_accumulation import GradAccumulators
+from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
-from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.shard.global_view import gather_full
+from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.shard.original import remember_shards, restore_from_shards
 from fsdp_pass.shard.requires_grad import follow_requires_grad
 from fsdp_pass.shard.state_dict import load_model_state_dict, model_state_dict
 from fsdp_pass.verify.ranks_arrive import ranks_arrive
-
 
 _ORDINALS = itertools.count()
 

@@ -31,7 +31,7 @@ from fsdp_pass.predicates import (
 )
 from fsdp_pass.report.step_stats import step_stats
 from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
-from fsdp_pass.verify.same_collectives_on_all_ranks import collective_sequence
+from fsdp_pass.verify.same_collectives_on_all_ranks import collective_calls
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from tests.llama_steps import LAYERS, WORLD, compile_step, shared_step
 
@@ -221,7 +221,7 @@ def test_reschedule_gives_what_compiling_with_that_schedule_gives(compiled):
     for phase in (0, 1):
         a, b = compiled["prefetch2"][phase], compiled["rescheduled_prefetch2"][phase]
         assert [x.sym.name for x in a.bound_symbols] == [x.sym.name for x in b.bound_symbols]
-        assert collective_sequence(a) == collective_sequence(b)
+        assert collective_calls(a) == collective_calls(b)
         assert positions(a, is_wait) == positions(b, is_wait)
     assert compiled["rescheduled_prefetch2"][2].options.schedule == Schedule(prefetch=2)
 
@@ -229,7 +229,7 @@ def test_reschedule_gives_what_compiling_with_that_schedule_gives(compiled):
 def test_same_schedule_on_every_recompile(compiled):
     for phase in (0, 1):
         a, b = compiled["default"][phase], compiled["again"][phase]
-        assert collective_sequence(a) == collective_sequence(b)
+        assert collective_calls(a) == collective_calls(b)
         assert positions(a, is_collective) == positions(b, is_collective)
         assert positions(a, is_wait) == positions(b, is_wait)
 

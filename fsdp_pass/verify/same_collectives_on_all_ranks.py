@@ -51,9 +51,11 @@ class StepCollectives:
 _STEPS: dict[str, StepCollectives] = {}  # compile key -> its collectives (every variant this process compiled)
 
 
-def collective_calls(trace, found: dict) -> tuple[str, ...]:
+def collective_calls(trace, found: dict | None = None) -> tuple[str, ...]:
     """Each collective of ``trace`` in order, as ``"all-gather of unit 'layers.0': 1,024 x float32"``; ``found``:
-    output name -> (Unit, kind), from :func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives`."""
+    output name -> (Unit, kind), from :func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives` (None:
+    no unit names)."""
+    found = found or {}
     out = []
     for b in trace.bound_symbols:
         kind = collective_kind(b)
@@ -73,6 +75,22 @@ def record_step_collectives(key: str, group, phase: str, trace, found: dict) -> 
     step._digest = None
 
 
+def _first_difference(ref: dict, other: dict, rank: int) -> str | None:
+    """Where the sequences of rank 0 (``ref``) and ``rank`` first differ, forward first."""
+    for phase in ("forward", "backward"):
+        a, b = ref.get(phase, ()), other.get(phase, ())
+        for i in range(max(len(a), len(b))):
+            ca = a[i] if i < len(a) else "nothing"
+            cb = b[i] if i < len(b) else "nothing"
+            if ca != cb:
+                return f"  first difference, {phase} collective #{i}: rank 0 {ca}; rank {rank} {cb}"
+    return None
+
+
+def _counts(sequences: dict) -> str:
+    return " + ".join(str(len(sequences.get(phase, ()))) for phase in ("forward", "backward"))
+
+
 def describe_difference(prints: list[dict]) -> str | None:
     """None when every rank's sequences (``{phase: [collective, ...]}``) agree, else where the first two differ."""
     ref = prints[0]
@@ -80,23 +98,14 @@ def describe_difference(prints: list[dict]) -> str | None:
         if other == ref:
             continue
         lines = [
-            f"rank 0 and rank {rank} are about to run steps that issue different collectives (their inputs may "
-            "differ in shape, but not in the collectives the step issues)."
+            (
+                f"rank 0 and rank {rank} are about to run steps that issue different collectives (their inputs "
+                "may differ in shape, but not in the collectives the step issues)."
+            ),
+            _first_difference(ref, other, rank),
+            f"  collectives (forward + backward): rank 0 {_counts(ref)}, rank {rank} {_counts(other)}",
         ]
-        for phase in ("forward", "backward"):
-            a, b = ref.get(phase, ()), other.get(phase, ())
-            for i in range(max(len(a), len(b))):
-                ca = a[i] if i < len(a) else "nothing"
-                cb = b[i] if i < len(b) else "nothing"
-                if ca != cb:
-                    lines.append(f"  first difference, {phase} collective #{i}: rank 0 {ca}; rank {rank} {cb}")
-                    break
-            else:
-                continue
-            break
-        count = lambda p: " + ".join(str(len(p.get(ph, ()))) for ph in ("forward", "backward"))  # noqa: E731
-        lines.append(f"  collectives (forward + backward): rank 0 {count(ref)}, rank {rank} {count(other)}")
-        return "\n".join(lines)
+        return "\n".join(line for line in lines if line is not None)
     return None
 
 
