@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from fsdp_pass_executors import WAIT_CLOCK, describe, executors_for
 
 from fsdp_pass.api import explain, fsdp_of
-from fsdp_pass.errors import check, check_on_all_ranks
+from fsdp_pass.errors import check, file_work_on_rank0
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass.report.run_summary import Measured, Progress, progress_line, summary_lines
@@ -120,15 +120,14 @@ def unit_to_show(plan) -> str:
     return plan.units[len(plan.units) // 2].name
 
 
-def _out_folder(path: str, rank: int) -> Path:
+def _out_folder(path: str) -> Path:
     """``--out``, made by rank 0; every rank raises an FSDPError if it cannot be (collective)."""
-    problem = None
-    if rank == 0:
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            problem = f"--out {path}: the demo cannot make this folder for its traces ({e})."
-    check_on_all_ranks(problem, "Pass --out a folder you can write to.", None)
+    file_work_on_rank0(
+        lambda: Path(path).mkdir(parents=True, exist_ok=True),
+        f"--out {path}: the demo cannot make this folder for its traces: ",
+        "Pass --out a folder you can write to.",
+        None,
+    )
     return Path(path)
 
 
@@ -203,7 +202,7 @@ def main(argv=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     say = print if rank == 0 else (lambda *a, **k: None)
-    out = _out_folder(args.out, rank)
+    out = _out_folder(args.out)
 
     torch.manual_seed(0)
     model = WithLoss(TinyLM(n_layer=args.layers)).to(device)  # the loss inside: the traces cover the step

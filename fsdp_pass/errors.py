@@ -29,3 +29,17 @@ def check_on_all_ranks(problem: str | None, todo: str, group) -> None:
     for rank, found in enumerate(problems):
         if found is not None:
             fail(found if rank == dist.get_rank(group) else f"(found on rank {rank}) {found}", todo)
+
+
+def file_work_on_rank0(action, what: str, todo: str, group) -> None:
+    """Collective: run ``action`` (work on files) on rank 0 of ``group``; if it raises an ``OSError``, every rank
+    raises an FSDPError starting with ``what`` (and every rank waits for rank 0: a barrier)."""
+    import torch.distributed as dist
+
+    problem = None
+    if dist.get_rank(group) == 0:
+        try:
+            action()
+        except OSError as e:
+            problem = f"{what}{type(e).__name__}: {e}"
+    check_on_all_ranks(problem, todo, group)

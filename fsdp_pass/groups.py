@@ -57,6 +57,12 @@ def init_local_gloo(rank: int, world_size: int, port: int, timeout_s: float) -> 
     )
 
 
+def has_peers(group) -> bool:
+    """A real group of more than one rank: what the cross-rank checks need (the fake backend moves nothing; one
+    rank has nobody to disagree with or wait for)."""
+    return group is not None and dist.get_backend(group) != "fake" and dist.get_world_size(group) > 1
+
+
 def group_store(group):
     """The key-value store ``group``'s ranks met through (the TCPStore ``init_process_group`` made, prefixed
     for the group): what :mod:`fsdp_pass.verify.ranks_arrive` counts arrivals on, with no collective."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdp_pass.compiled_step import PHASES, CompiledStep
+from fsdp_pass.groups import has_peers
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
@@ -50,7 +51,6 @@ from fsdp_pass.shard.prologue import shard_prologue
 from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
 from fsdp_pass.verify.same_collectives_on_all_ranks import (
     insert_step_check,
-    needs_step_check,
     record_step_collectives,
 )
 
@@ -92,7 +92,7 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         )
         trace = schedule_collectives(trace, options.schedule, kept)
     check_collective_lifetimes(trace)
-    if options.verify_ranks and step_key is not None and needs_step_check(group):
+    if options.verify_ranks and step_key is not None and has_peers(group):
         record_step_collectives(step_key, group, phase, trace, found)
         if phase == "forward":
             trace = insert_step_check(trace, step_key)

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_pass.api import arrived
-from fsdp_pass.errors import check, check_on_all_ranks, fail
+from fsdp_pass.errors import check, fail, file_work_on_rank0
 from fsdp_pass.train.state_dicts import get_state_dict, set_state_dict
 
 COMPLETE = re.compile(r"^step-(\d{8})$")
@@ -65,14 +65,8 @@ def complete_checkpoints(directory) -> list[tuple[int, Path]]:
 
 def _on_rank0(group, action) -> None:
     """Run ``action`` on rank 0; every rank raises if it failed (and waits for it: a barrier)."""
-    problem = None
-    if dist.get_rank(group) == 0:
-        try:
-            action()
-        except OSError as e:
-            problem = f"{type(e).__name__}: {e}"
-    check_on_all_ranks(
-        problem, "Check that the checkpoint folder is writable and on a file system every rank sees.", group
+    file_work_on_rank0(
+        action, "", "Check that the checkpoint folder is writable and on a file system every rank sees.", group
     )
 
 

@@ -27,15 +27,11 @@ import datetime
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.groups import group_store
+from fsdp_pass.groups import group_store, has_peers
 
 _PREFIX = "fsdp_pass/arrive"
 _GAVE_UP = 1 << 40  # what a rank that stopped waiting adds to a count: past any group size
 _entered: dict = {}  # (process group, scope) -> how many helpers this rank has entered there
-
-
-def as_timedelta(timeout) -> datetime.timedelta:
-    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
 
 
 def _where(store, prefix: str, rank: int) -> str | None:
@@ -59,18 +55,18 @@ TODO = (
 )
 
 
-def ranks_arrive(what: str, group, timeout, scope: str = "") -> None:
+def ranks_arrive(what: str, group, timeout: datetime.timedelta, scope: str = "") -> None:
     """Collective over ``group`` (store round trips only): returns once every rank has called it for ``what``
     (a helper's name, e.g. ``"full_state_dict()"``) in ``scope`` (the model's), else raises an FSDPError after
-    ``timeout`` (seconds or a ``timedelta``)."""
-    if group is None or dist.get_backend(group) == "fake" or dist.get_world_size(group) == 1:
+    ``timeout`` (``FSDPOptions.timeout``, resolved from what ``FSDP(timeout=...)`` was given)."""
+    if not has_peers(group):
         return
     store, size, rank = group_store(group), dist.get_world_size(group), dist.get_rank(group)
     prefix = f"{_PREFIX}/{scope}"
     n = _entered[group, scope] = _entered.get((group, scope), 0) + 1
     here = f"{what} #{n}"
     store.set(f"{prefix}/at/{rank}", here)
-    count_key, wait = f"{prefix}/{n}/{what}", as_timedelta(timeout)
+    count_key, wait = f"{prefix}/{n}/{what}", timeout
     arrived = store.add(count_key, 1)
     if arrived == size:
         store.set(f"{count_key}/all", "1")

@@ -41,6 +41,10 @@ class StepCollectives:
     phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _digest: int | None = None
 
+    def record(self, phase: str, calls: tuple[str, ...]) -> None:
+        self.phases[phase] = calls
+        self._digest = None
+
     def digest(self) -> int:
         if self._digest is None:
             text = repr(sorted(self.phases.items())).encode()
@@ -70,9 +74,7 @@ def collective_calls(trace, found: dict | None = None) -> tuple[str, ...]:
 
 def record_step_collectives(key: str, group, phase: str, trace, found: dict) -> None:
     """Keep the collectives of one final ``phase`` trace of the compile ``key``."""
-    step = _STEPS.setdefault(key, StepCollectives(group))
-    step.phases[phase] = collective_calls(trace, found)
-    step._digest = None
+    _STEPS.setdefault(key, StepCollectives(group)).record(phase, collective_calls(trace, found))
 
 
 def _first_difference(ref: dict, other: dict, rank: int) -> str | None:
@@ -154,11 +156,6 @@ _HEADER = (
     "[fsdp] check: every rank runs a step with these collectives (a digest of the forward's and the backward's, "
     "one all-reduce on a host-side gloo channel); else every rank raises, naming the first that differs"
 )
-
-
-def needs_step_check(group) -> bool:
-    """A real group of more than one rank (the fake backend moves nothing; one rank has nobody to disagree with)."""
-    return group is not None and dist.get_backend(group) != "fake" and dist.get_world_size(group) > 1
 
 
 def insert_step_check(trace, key: str):
