@@ -92,10 +92,12 @@ def parity(
     reduce_dtype=torch.float32,
     executor_names=None,
     device="cpu",
+    keep_model: bool = False,
     **fsdp_kwargs,
 ):
     """Train the FSDP model and a single-process reference on the same global batches; report errors.
     ``device``: where the model computes (``"cuda"``: gloo with CUDA tensors, every rank on one GPU).
+    ``keep_model``: the jitted model under ``"jm"`` too, for a caller on the rank that looks further.
 
     ``compute_dtype``, ``reduce_dtype``: the reference computes like ``MixedPrecision(compute_dtype,
     reduce_dtype)`` (pass the matching ``mixed_precision=`` in ``fsdp_kwargs``)."""
@@ -153,7 +155,7 @@ def parity(
     # after training, the gathered parameters equal the reference's
     full = full_state_dict(jm)
     param_err = max(_rel(full[n], p.detach()) for n, p in ref_params.items())
-    return {
+    return ({"jm": jm} if keep_model else {}) | {
         "loss_rel_err": max(loss_err),
         "grad_rel_err": max(grad_err),
         "grad_norm_rel_err": max(norm_err),  # all gradients as one vector: |ours - ref| / |ref|
