@@ -9,9 +9,12 @@ training step, or a dry run) prints
    that runs in between (estimated MFLOP; ``EXPOSED`` when none);
 2. per rank and step: bytes sent against the floor no ZeRO scheme can go below;
 3. per rank: predicted peak memory = sharded parameters + optimizer state + the step's peak (from the
-   traces, :mod:`fsdp_pass.report.memory`), with the peak split into gathered parameters, tensors saved for
-   the backward and everything else (activations, gradients, temporaries). With ``offload_to`` the
-   shards, their gradients and the optimizer state are counted on the host, not the device;
+   traces, :mod:`fsdp_pass.report.memory`), the op where the step peaks, and the step's peak split by kind
+   (gathered parameters, activations saved for the backward, unsharded gradients and their packed buffers,
+   gradient shards, everything else); the lines add up to the peak. With ``offload_to`` the shards, their
+   gradients and the optimizer state are counted on the host, not the device. Then the most gathered
+   parameter memory live at once, where, and of what: whole gathered buffers and the parameters copied out
+   of them (both live while a unit is cut out, so it can exceed the model's parameters);
 4. under the header, the options the user set: mixed precision, offload, checkpointed units (nothing when
    none is);
 5. notes, only where they apply: what :func:`fsdp_pass.no_sync`'s accumulators hold, when the compile was
@@ -24,16 +27,27 @@ the schedule and the step's memory need the traces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from fsdp_pass.compiled_step import CompiledStep
 from fsdp_pass.errors import fail
-from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision
+from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import is_grad_accumulation
-from fsdp_pass.report.memory import GATHERED, OTHER, SAVED, StepMemory, step_memory
+from fsdp_pass.report.memory import (
+    GATHERED,
+    GRAD_SHARDS,
+    GRADIENTS,
+    OTHER,
+    SAVED,
+    GatheredPeak,
+    StepMemory,
+    step_memory,
+)
 from fsdp_pass.report.overlap import CollectiveOverlap, step_overlap
 from fsdp_pass.report.step_stats import StepStats, floor_bytes, step_stats
 from fsdp_pass.text import format_table, human_bytes
@@ -67,6 +81,8 @@ class MemoryPrediction:
     step: StepMemory | None  # None: explained from a plan, without traces
     offloaded_to: str | None = None  # where shards, gradient shards and optimizer state live, if not the device
     accumulator_bytes: int = 0  # unsharded gradients held while accumulating under no_sync
+    gathered: GatheredPeak | None = None  # the most gathered parameter memory live at once (None: no traces)
+    unit_of_collective: dict = field(default_factory=dict)  # collective output name -> unit name
 
     @property
     def before_step(self) -> int:
@@ -166,11 +182,19 @@ class Explanation:
         )
 
     def _totals(self) -> list[str]:
-        return [*self._bytes_lines(), "Predicted memory per rank:", *self._state_lines(), *self._step_lines()]
+        m = self.memory
+        if m.step is None:
+            head = "Predicted memory per rank:"
+        elif m.offloaded_to:
+            head = "Predicted memory per rank (peak on the device = step peak; figures rounded):"
+        else:
+            head = "Predicted memory per rank (peak = sharded parameters + optimizer state + step peak; figures rounded):"
+        return [*self._bytes_lines(), head, *self._state_lines(), *self._step_lines(), *self._gathered_lines()]
 
     def _bytes_lines(self) -> list[str]:
-        n = self.world_size
-        lines = [f"Per rank and step (world size {n}, ring model: a collective of S bytes sends (N-1)/N*S):"]
+        n, replicas = self.world_size, self._replicas()
+        ranks = f"world size {n}" if not replicas else f"HSDP: {replicas} replicas x a shard group of {n} ranks"
+        lines = [f"Per rank and step ({ranks}, ring model: a collective of S bytes over N ranks sends (N-1)/N*S):"]
         floor = self.floor_bytes_per_rank
         if self.stats is not None:
             sent = self.stats.bytes_per_rank
@@ -178,16 +202,37 @@ class Explanation:
                 f"  communicated  {human_bytes(int(sent)):>10}  in {self.stats.breakdown()}"
                 + (f"  ({sent / floor:.2f}x the floor)" if floor else "")
             )
+            lines.extend(self._link_lines())
         lines.append(
             f"  floor         {human_bytes(int(floor)):>10}  (each of the {human_bytes(self.param_bytes)} "
             "of parameters gathered once and reduce-scattered once)"
         )
         if self.strategy is Strategy.ZERO3:
             lines.append(
-                f"  ZeRO-3 book   {human_bytes(int(self.textbook_bytes_per_rank)):>10}  (gathered again in "
-                "the backward; this pass skips units the backward does not read, and the last unit)"
+                f"  ZeRO-3 book   {human_bytes(int(self.textbook_bytes_per_rank)):>10}  (every unit gathered again "
+                "in the backward; this pass does not re-gather the last unit, nor a unit the backward never reads)"
             )
         return lines
+
+    def _replicas(self) -> int:
+        """HSDP: the ranks of the replicate group the gradient shards are all-reduced over (0: not HSDP)."""
+        if self.stats is None:
+            return 0
+        return max((c.group_size for c in self.stats.collectives if c.kind is ALL_REDUCE), default=0)
+
+    def _link_lines(self) -> list[str]:
+        """HSDP: the bytes over each group, i.e. each kind of link when every shard group is one node."""
+        replicas = self._replicas()
+        if not replicas:
+            return []
+        across = self.stats.replicate_bytes_per_rank
+        within = self.stats.bytes_per_rank - across
+        return [
+            f"    of which {human_bytes(int(within)):>10}  over the shard group ({self.world_size} ranks: gathers and "
+            "reduce-scatters; within a node when a node is a shard group)",
+            f"    and      {human_bytes(int(across)):>10}  over the replicate group ({replicas} ranks: the "
+            "all-reduce of each gradient shard; across nodes, 2(R-1)/R of the shards)",
+        ]
 
     def _state_lines(self) -> list[str]:
         """What lives between steps: shards and optimizer state."""
@@ -210,17 +255,22 @@ class Explanation:
         )
 
     def _step_lines(self) -> list[str]:
-        """The step's peak, by kind, and the total."""
+        """The step's peak, where it is, by kind (the kinds add up to it), and the total."""
         m = self.memory
         if m.step is None:
             return ["  step peak               (needs the traces: explain a jitted model after one step)"]
         s = m.step
         kinds = s.peak_by_kind
+        at = s.peak_trace.peak_at
         lines = [
-            f"  step peak               {human_bytes(s.peak_bytes):>10}  (in the {s.peak_phase})",
-            f"    gathered parameters   {human_bytes(kinds.get(GATHERED, 0)):>10}",
-            f"    saved activations     {human_bytes(kinds.get(SAVED, 0)):>10}",
-            f"    other tensors         {human_bytes(kinds.get(OTHER, 0)):>10}  (activations, gradients, temporaries)",
+            (
+                f"  step peak               {human_bytes(s.peak_bytes):>10}  (in the {s.peak_phase}, at op {at}: "
+                f"{s.peak_trace.op_at(at)}), of which"
+            ),
+            *(
+                f"    {title:<22}{human_bytes(kinds.get(kind, 0)):>10}" + (f"  ({what})" if what else "")
+                for kind, title, what in _KIND_LINES
+            ),
             f"  peak                    {human_bytes(m.peak):>10}" + ("  on the device" if m.offloaded_to else ""),
         ]
         if m.offloaded_to:
@@ -229,11 +279,56 @@ class Explanation:
             )
         lines.append(
             f"  (the forward saves {human_bytes(s.saved_bytes)} for the backward, of which "
-            f"{human_bytes(s.saved_gathered_bytes)} gathered parameters; peak unsharded parameters at any "
-            f"moment {human_bytes(self.stats.peak_gathered_bytes)}; gradient shards "
-            f"{human_bytes(m.gradient_shards)} stay until zero_grad)"
+            f"{human_bytes(s.saved_gathered_bytes)} gathered parameters; all {human_bytes(m.gradient_shards)} of "
+            "gradient shards exist at the end of the backward and stay until zero_grad)"
         )
         return lines
+
+    def _gathered_lines(self) -> list[str]:
+        """The most gathered parameter bytes live at once, where, and what they are: whole gathered buffers and
+        the parameters cut out of them, against all parameters unsharded."""
+        g = self.memory.gathered
+        if g is None or not g.buffers:
+            return []
+        flat, cut = g.flat_buffers, g.cut_out
+        flat_units = sorted({self.memory.unit_of_collective.get(b.name, "?") for b in flat})
+        cut_units = sorted({b.unit or "?" for b in cut})
+        parts = []
+        padded = any(u.padding for u in self.units)
+        if flat:
+            parts.append(
+                f"{human_bytes(sum(b.nbytes for b in flat))} of gathered buffers ({_units(flat_units)}, whole"
+                + (", padding rows included)" if padded else ")")
+            )
+        if cut:
+            parts.append(f"{human_bytes(sum(b.nbytes for b in cut))} of parameters cut out of them ({_units(cut_units)})")
+        lines = [
+            f"Gathered parameters at most {human_bytes(g.bytes)} at once (in the {g.phase}, at op {g.at}: {g.op}):",
+            f"  {' + '.join(parts)}; all parameters unsharded: {human_bytes(self.param_bytes)}",
+        ]
+        if g.bytes > self.param_bytes:
+            lines.append(
+                "  (more than the model: a unit's parameters are copied out of its gathered buffer, and during the "
+                "copy both are live"
+                + (", while other units' gathers are in flight" if len(flat_units) > 1 else "")
+                + (", padding rows included" if padded else "")
+                + ")"
+            )
+        return lines
+
+
+# the kinds of memory the step's peak is split into, in the order explain() lists them: (kind, title, what)
+_KIND_LINES = (
+    (GATHERED, "gathered parameters", "all-gather buffers, the parameters cut out of them"),
+    (SAVED, "saved activations", "forward results kept for the backward"),
+    (GRADIENTS, "unsharded gradients", "parameter gradients, the flat buffers packed for their reduce-scatters"),
+    (GRAD_SHARDS, "gradient shards", "this rank's reduced gradients, for the optimizer"),
+    (OTHER, "other tensors", "activations and their gradients, temporaries, packed shards"),
+)
+
+
+def _units(names: list[str]) -> str:
+    return f"unit {names[0]!r}" if len(names) == 1 else f"{len(names)} units: " + ", ".join(map(repr, names))
 
 
 def _collective_cell(collectives: tuple[CollectiveOverlap, ...]) -> str:
@@ -306,14 +401,17 @@ def _memory(plan: UnitPlan, step: CompiledStep | None, optimizer, precision, off
     owners = plan.sharding.owners()
     trainable_shard_bytes = sum(p.layout.shard_numel * p.itemsize for p in owners if p.requires_grad)
     states = _optimizer_states(optimizer)
+    memory = None if step is None else step_memory(step.forward, step.backward)
     return MemoryPrediction(
         sharded_params=sum(p.layout.shard_numel * p.itemsize for p in owners),
         optimizer_state=states * trainable_shard_bytes,
         optimizer_states_per_element=states,
         gradient_shards=trainable_shard_bytes,
-        step=None if step is None else step_memory(step.forward, step.backward),
+        step=memory,
         offloaded_to=offload_to,
         accumulator_bytes=_accumulator_bytes(plan, precision),
+        gathered=None if memory is None else memory.gathered_peak(),
+        unit_of_collective={} if step is None else dict(step.unit_of_collective),
     )
 
 
@@ -359,6 +457,19 @@ def explain_step(step: CompiledStep, optimizer="adam") -> Explanation:
     """
     options = step.options
     return _explanation(step.plan, step, optimizer, options.mixed_precision, options.offload_to)
+
+
+def explain_traces(plan: UnitPlan, forward, backward=None, optimizer="adam", mixed_precision=None) -> Explanation:
+    """The explanation of traces the functional path made (:mod:`fsdp_pass.functional`: ``plan`` from
+    ``shard_functional_trace``, ``forward`` and ``backward`` from ``derive_backward_and_lower``), the same as
+    :func:`explain_step` gives for the compile ``thunder.jit`` with ``FSDP`` makes of the same trace. One functional
+    trace can be sharded at many world sizes, where each dry run would trace the model again."""
+    found = {}
+    for trace in (forward, backward):
+        if trace is not None:
+            found.update((name, unit.name) for name, (unit, _) in units_of_collectives(trace, plan).items())
+    step = CompiledStep(plan, FSDPOptions(strategy=plan.sharding.strategy), forward, backward, found)
+    return _explanation(plan, step, optimizer, mixed_precision or FULL_PRECISION, None)
 
 
 def explain_plan(plan: UnitPlan, optimizer="adam") -> Explanation:

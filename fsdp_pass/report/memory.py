@@ -18,8 +18,12 @@ as a *buffer*:
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
 (all-gather results and copies cut from them, also when the forward kept them for the backward),
-``saved`` (other forward results kept for the backward: activations, in the backward) and ``other``
-(activations, gradients, temporaries).
+``saved`` (other forward results kept for the backward: activations, in the backward), ``gradients``
+(unsharded parameter gradients: those a pack op reads, the flat buffer it packs them into, what
+``no_sync``'s accumulators add), ``gradient shards`` (a reduce-scatter's result and the shard gradients
+cut from it, which the step hands to the optimizer) and ``other`` (activations, their gradients,
+temporaries, the packed shards an all-gather sends). Each buffer also names the op that wrote it and, for
+the pass's own ops, the unit, so what is live at the peak can be listed (:meth:`TraceMemory.live_at`).
 
 Not modelled: scratch memory inside one op (e.g. a matmul's workspace), allocator rounding and
 fragmentation, and the process group's own memory (gloo copies each collective's full buffer into
@@ -32,23 +36,40 @@ from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
 
+from fsdp_pass.op_names import (
+    ALL_GATHER_OP,
+    ALL_REDUCE_OP,
+    REDUCE_SCATTER_OP,
+    TORCH_ALL_GATHER_OP,
+    TORCH_ALL_REDUCE_OP,
+    TORCH_REDUCE_SCATTER_OP,
+)
 from fsdp_pass.ops.flat_buffers import allocated_bytes, views_of_inputs
 from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
     is_bookkeeping,
     is_getitem,
+    is_grad_accumulation,
+    is_pack_grads,
     is_reduce_scatter,
     is_reshape,
     is_return,
     is_slice,
     is_unit_op,
     is_unpack_gathered,
+    is_unpack_grad_shard,
     is_view_like,
     is_wait,
+    unit_of_op,
 )
 
-GATHERED, SAVED, OTHER = "gathered", "saved", "other"
+# the names collectives have in the final traces (this pass's executor, and Thunder's torch executor)
+_COLLECTIVE_OPS = frozenset(
+    (ALL_GATHER_OP, REDUCE_SCATTER_OP, ALL_REDUCE_OP, TORCH_ALL_GATHER_OP, TORCH_REDUCE_SCATTER_OP, TORCH_ALL_REDUCE_OP)
+)
+GATHERED, SAVED, GRADIENTS, GRAD_SHARDS, OTHER = "gathered", "saved", "gradients", "gradient shards", "other"
+KINDS = (GATHERED, SAVED, GRADIENTS, GRAD_SHARDS, OTHER)
 
 
 def tensor_bytes(proxy) -> int:
@@ -59,9 +80,11 @@ def tensor_bytes(proxy) -> int:
 class Buffer:
     name: str  # the proxy that first held it
     nbytes: int
-    kind: str  # GATHERED, SAVED or OTHER
+    kind: str  # one of KINDS
     start: int  # index of the op that writes it (-1: carried in from the forward)
     end: int  # index of the last op that reads it (len(trace) when it outlives the trace)
+    op: str = ""  # the name of the op that wrote it, as printed in the trace (e.g. "fsdp_pack_grads", "matmul")
+    unit: str | None = None  # its unit: the pass's op that wrote it, or the pack op that reads a gradient, names it
 
 
 @dataclass(frozen=True)
@@ -73,6 +96,18 @@ class TraceMemory:
     peak_at: int  # index of the op at which the peak is reached
     peak_by_kind: dict  # kind -> bytes live at the peak
     handed_on: dict  # returned tensor name -> its Buffer (what the next trace receives)
+    ops: tuple[tuple[str, str | None], ...] = ()  # per op of the trace: its name, and its unit for the pass's ops
+
+    def op_at(self, i: int) -> str:
+        """The op at index ``i``, as a reader finds it in the printed trace: ``fsdp_pack_grads of unit 'x'``."""
+        if not 0 <= i < len(self.ops):
+            return "the start" if i < 0 else "the end"
+        name, unit = self.ops[i]
+        return f"{name} of unit {unit!r}" if unit is not None else name
+
+    def live_at(self, i: int) -> tuple[Buffer, ...]:
+        """The buffers live at op ``i``, largest first."""
+        return tuple(sorted((b for b in self.buffers if b.start <= i <= b.end), key=lambda b: -b.nbytes))
 
     def live_per_op(self, n_ops: int, keep=lambda buf: True) -> list[int]:
         """Bytes live at each of the trace's ``n_ops`` ops, counting the buffers ``keep`` accepts."""
@@ -112,6 +147,7 @@ class _Buffers:
         self.held_by_future: dict[str, str] = {}  # future name -> the send buffer it keeps alive
         self.contiguous: dict[str, bool] = {}
         self.size, self.kind, self.start, self.last = {}, {}, {}, {}
+        self.written_by: dict[str, tuple[str, str | None]] = {}  # buffer id -> (op name, unit)
         self.handed_on_names: set[str] = set()
         for name, buf in carried_in.items():
             self.share(name, buf.name, True)
@@ -119,11 +155,23 @@ class _Buffers:
                 saved_kind = GATHERED if buf.kind == GATHERED else SAVED  # kept parameters stay parameters
                 self.size[buf.name], self.kind[buf.name] = buf.nbytes, saved_kind
                 self.start[buf.name] = self.last[buf.name] = -1
+                self.written_by[buf.name] = (buf.op, buf.unit)
 
-    def new(self, proxy, i: int, kind: str = OTHER, nbytes: int | None = None) -> None:
+    def new(self, proxy, i: int, b, kind: str = OTHER, nbytes: int | None = None) -> None:
+        """A new buffer for ``proxy``, written by op ``i`` (bound symbol ``b``)."""
         self.share(proxy.name, proxy.name, True)
         self.size[proxy.name], self.kind[proxy.name] = tensor_bytes(proxy) if nbytes is None else nbytes, kind
         self.start[proxy.name] = self.last[proxy.name] = i
+        self.written_by[proxy.name] = (b.sym.name, unit_of_op(b))
+
+    def mark_gradients(self, b, read) -> None:
+        """What a pack op or no_sync's accumulation reads is unsharded gradients of its unit (unless it is a
+        parameter)."""
+        for p in read:
+            buf = self.buffer_of[p.name]
+            if self.kind[buf] == OTHER:
+                self.kind[buf] = GRADIENTS
+                self.written_by[buf] = (self.written_by[buf][0], unit_of_op(b))
 
     def share(self, name: str, buffer: str, contiguous: bool) -> None:
         self.buffer_of[name], self.contiguous[name] = buffer, contiguous
@@ -146,7 +194,7 @@ class _Buffers:
 
     def collective(self, b, i: int) -> None:
         """Writes its result buffer when issued; its future keeps the send buffer alive until the wait."""
-        self.new(b.output, i, GATHERED if is_all_gather(b) else OTHER)
+        self.new(b.output, i, b, GATHERED if is_all_gather(b) else GRAD_SHARDS)
         send = b.flat_proxy_args[0]
         if send.name in self.buffer_of:
             self.held_by_future[b.output.name] = self.buffer_of[send.name]
@@ -154,16 +202,25 @@ class _Buffers:
     def view(self, b, src, i: int) -> None:
         """A view shares its input's buffer; reshaping a non-contiguous tensor copies it."""
         if is_reshape(b) and not self.contiguous[src.name]:
-            self.new(b.output, i, self.kind[self.buffer_of[src.name]])  # a copy, of the same kind of data
+            self.new(b.output, i, b, self.kind[self.buffer_of[src.name]])  # a copy, of the same kind of data
             return
         for o in b.flat_proxy_outs:
             self.share(o.name, self.buffer_of[src.name], _contiguous_after(b, self.contiguous[src.name], src.shape))
 
-    def unit_op(self, b, i: int) -> None:
+    def unit_op(self, b, read, i: int) -> None:
         """The pass's pack and unpack ops: some outputs are views of an input, the rest new buffers (the
-        parameters cut out of a gathered buffer are gathered parameters)."""
+        parameters cut out of a gathered buffer are gathered parameters; a packed or accumulated gradient
+        buffer is gradients, an unpacked gradient shard is a gradient shard)."""
+        if is_pack_grads(b) or is_grad_accumulation(b):
+            self.mark_gradients(b, read)
         views = views_of_inputs(b)
-        kind = GATHERED if is_unpack_gathered(b) else OTHER
+        kind = OTHER
+        if is_unpack_gathered(b):
+            kind = GATHERED
+        elif is_pack_grads(b) or is_grad_accumulation(b):
+            kind = GRADIENTS
+        elif is_unpack_grad_shard(b):
+            kind = GRAD_SHARDS
         for o in b.flat_proxy_outs:
             if not isinstance(o, TensorProxy):
                 continue
@@ -171,7 +228,7 @@ class _Buffers:
             if src is not None and src.name in self.buffer_of:
                 self.share(o.name, self.buffer_of[src.name], True)
             elif src is None:
-                self.new(o, i, kind, allocated_bytes(b, o))
+                self.new(o, i, b, kind, allocated_bytes(b, o))
 
     def op(self, b, i: int) -> None:
         """Step ``i`` of the trace: bound symbol ``b``."""
@@ -188,11 +245,11 @@ class _Buffers:
             if len(read) == 1:  # else a view of something not followed (a parameter shard, the input batch)
                 self.view(b, read[0], i)
         elif is_unit_op(b):
-            self.unit_op(b, i)
+            self.unit_op(b, read, i)
         else:
             for o in b.flat_proxy_outs:
                 if isinstance(o, TensorProxy):
-                    self.new(o, i)
+                    self.new(o, i, b)
 
 
 def trace_memory(trace, carried_in: dict[str, Buffer] | None = None) -> TraceMemory:
@@ -203,13 +260,21 @@ def trace_memory(trace, carried_in: dict[str, Buffer] | None = None) -> TraceMem
     end = len(trace.bound_symbols)
     returned_buffers = {followed.buffer_of[n] for n in followed.handed_on_names}
     buffers = tuple(
-        Buffer(k, followed.size[k], followed.kind[k], followed.start[k], end if k in returned_buffers else followed.last[k])
+        Buffer(
+            k,
+            followed.size[k],
+            followed.kind[k],
+            followed.start[k],
+            end if k in returned_buffers else followed.last[k],
+            *followed.written_by[k],
+        )
         for k in followed.size
     )
     peak, peak_at, peak_by_kind = _peak(buffers)
     by_id = {buf.name: buf for buf in buffers}
     handed_on = {n: by_id[followed.buffer_of[n]] for n in followed.handed_on_names}
-    return TraceMemory(buffers, peak, peak_at, peak_by_kind, handed_on)
+    ops = tuple((b.sym.name, unit_of_op(b)) for b in trace.bound_symbols)
+    return TraceMemory(buffers, peak, peak_at, peak_by_kind, handed_on, ops)
 
 
 def _peak(buffers) -> tuple[int, int, dict]:
@@ -245,8 +310,62 @@ class StepMemory:
         return "backward" if self.backward and self.backward.peak_bytes > self.forward.peak_bytes else "forward"
 
     @property
+    def peak_trace(self) -> TraceMemory:
+        """The forward's or the backward's memory, whichever peaks higher."""
+        return self.backward if self.peak_phase == "backward" else self.forward
+
+    @property
     def peak_by_kind(self) -> dict:
-        return (self.backward if self.peak_phase == "backward" else self.forward).peak_by_kind
+        return self.peak_trace.peak_by_kind
+
+    def live_at_peak(self) -> tuple[Buffer, ...]:
+        """The buffers live at the step's peak, largest first (they add up to :attr:`peak_bytes`)."""
+        return self.peak_trace.live_at(self.peak_trace.peak_at)
+
+    def gathered_peak(self) -> GatheredPeak:
+        """Where the gathered parameters live at once peak, and what they are then."""
+        best = None
+        for phase, m in (("forward", self.forward), ("backward", self.backward)):
+            if m is None:
+                continue
+            live = m.live_per_op(len(m.ops), lambda b: b.kind == GATHERED)
+            if live and (best is None or max(live) > best[2]):
+                at = live.index(max(live))
+                best = (phase, m, max(live), at)
+        if best is None or best[2] == 0:
+            return GatheredPeak("forward", 0, "", ())
+        phase, m, _, at = best
+        return GatheredPeak(phase, at, m.op_at(at), tuple(b for b in m.live_at(at) if b.kind == GATHERED))
+
+
+@dataclass(frozen=True)
+class GatheredPeak:
+    """The moment of a step with the most gathered (unsharded) parameter bytes live, and those buffers: the flat
+    buffers all-gathers wrote (padding rows included) and the parameters cut out of them."""
+
+    phase: str  # "forward" or "backward"
+    at: int  # op index in that phase's trace
+    op: str  # the op there (TraceMemory.op_at)
+    buffers: tuple[Buffer, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    @property
+    def flat_buffers(self) -> tuple[Buffer, ...]:
+        """What all-gathers wrote: whole units as gathered (a one-parameter unit's parameter is a view of it)."""
+        return tuple(b for b in self.buffers if is_collective_output(b))
+
+    @property
+    def cut_out(self) -> tuple[Buffer, ...]:
+        """Parameters copied out of a gathered buffer (and kept for the backward, in the backward)."""
+        return tuple(b for b in self.buffers if not is_collective_output(b))
+
+
+def is_collective_output(buf: Buffer) -> bool:
+    """Whether a collective wrote ``buf`` (its result: a gathered buffer, a reduced shard)."""
+    return buf.op in _COLLECTIVE_OPS
 
 
 def live_over_step(forward, backward, gathered_only: bool = False) -> list[int]:
