@@ -12,7 +12,8 @@ In a printed execution trace they read ``fsdp_pack_shards``, ``fsdp_unpack_gathe
   size 1 (and for a one-parameter unit) it copies nothing: the parameters are views of the buffer.
 - Packing gradients lays each out as (world size, shard elements) column blocks of one buffer in the reduce
   dtype: one ``cat`` into it (casting on the way) when no parameter has padding rows, else a copy per
-  parameter with its padding rows zeroed. Unpacking the reduced shard divides it in place, casts it to the
+  parameter with its padding rows zeroed. Unpacking the reduced shard divides it in place (by the number of
+  ranks whose gradients were summed), casts it to the
   shards' dtype, copies it to where the shards live (a blocking copy: the optimizer reads it on the host
   next), and cuts the shard gradients out of it as views.
 - The layout arithmetic of a unit is worked out once (:func:`fsdp_pass.ops.flat_buffers.unit_buffer`), not on
@@ -82,7 +83,7 @@ def _unpadded(padded: torch.Tensor, lay) -> torch.Tensor:
     return padded.view(lay.padded_rows, *lay.shape[1:])[: lay.rows].view(lay.shape)
 
 
-def pack_grads_impl(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: bool) -> torch.Tensor:
+def pack_grads_impl(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: int | None) -> torch.Tensor:
     buf = fb.unit_buffer(full_shapes, world_size)
     dtype = _torch_dtype(dtype) or grads[0].dtype
     if fb.pack_is_view(len(grads), buf.layouts[0].padding_rows, grads[0].dtype != dtype, divide_first=divide_first):
@@ -96,7 +97,7 @@ def pack_grads_impl(grads, unit: str, full_shapes, world_size: int, dtype, divid
             _copy_rank_major(matrix[:, offset : offset + n], g, lay)
             offset += n
     flat = matrix.view(-1)
-    return flat.div_(world_size) if divide_first else flat
+    return flat if divide_first is None else flat.div_(divide_first)
 
 
 def _copy_rank_major(block: torch.Tensor, grad: torch.Tensor, lay) -> None:
@@ -112,9 +113,9 @@ def _copy_rank_major(block: torch.Tensor, grad: torch.Tensor, lay) -> None:
         per_rank[full + 1 :].zero_()
 
 
-def unpack_grad_shard_impl(local: torch.Tensor, unit: str, shard_shapes, world_size: int, divide: bool, dtype, device):
+def unpack_grad_shard_impl(local: torch.Tensor, unit: str, shard_shapes, ranks: int, divide: bool, dtype, device):
     if divide:
-        local.div_(world_size)  # the reduce-scatter's own output: nobody else holds it
+        local.div_(ranks)  # the reduction's own output: nobody else holds it
     local = local.to(dtype=_torch_dtype(dtype) or local.dtype, device=_torch_device(device) or local.device)
     if len(shard_shapes) == 1:
         return (local.view(shard_shapes[0]),)

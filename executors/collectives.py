@@ -1,11 +1,12 @@
 """``fsdp_comm``: the Thunder executor that runs the pass's collectives on async work handles.
 
-It implements Thunder's distributed prims ``all_gather``, ``reduce_scatter`` and ``wait``; in a printed
-execution trace they read ``fsdp_all_gather(...)``, ``fsdp_reduce_scatter(...)``, ``fsdp_wait(...)``.
+It implements Thunder's distributed prims ``all_gather``, ``reduce_scatter``, ``all_reduce`` (HSDP's sum of a
+reduced shard over its replicas) and ``wait``; in a printed execution trace they read ``fsdp_all_gather(...)``,
+``fsdp_reduce_scatter(...)``, ``fsdp_all_reduce(...)``, ``fsdp_wait(...)``.
 
-1. Issue (``fsdp_all_gather`` / ``fsdp_reduce_scatter``): allocate the output where the input lives,
-   start the collective with ``async_op=True`` and return an :class:`InFlight`: the work handle, the
-   output, and the input. The trace's ``del`` of the input after the issue then frees nothing: the
+1. Issue (``fsdp_all_gather`` / ``fsdp_reduce_scatter`` / ``fsdp_all_reduce``): allocate the output where the
+   input lives (an all-reduce asked to skip the clone sums in place), start the collective with
+   ``async_op=True`` and return an :class:`InFlight`: the work handle, the output, and the input. The trace's ``del`` of the input after the issue then frees nothing: the
    handle keeps every buffer the collective reads or writes alive until its wait.
 2. On CUDA the collective is issued on one dedicated communication stream per device, after that
    stream waits for the compute stream (an event between the streams), so the input is complete.
@@ -24,7 +25,7 @@ GPU finished.
 
 On CPU/gloo the same path runs: gloo runs collectives on its own threads, so compute continues while
 one is in flight. ``fsdp_wait`` also accepts the ``(handle, tensor)`` pair of Thunder's torch executor,
-for collectives this executor did not issue (e.g. an ``all_reduce`` from another transform).
+for collectives this executor did not issue (e.g. a ``broadcast`` from another transform).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from thunder.torch import to_torch_distributed_reduce_op
 from fsdp_pass.op_names import (
     ALL_GATHER,
     ALL_GATHER_OP,
+    ALL_REDUCE,
+    ALL_REDUCE_OP,
     COMM_EXECUTOR,
     REDUCE_SCATTER,
     REDUCE_SCATTER_OP,
@@ -154,6 +157,13 @@ def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | Non
     return flight if do_async else _wait_impl(flight)
 
 
+def _all_reduce_impl(a: torch.Tensor, /, op, group, do_async, skip_clone: bool = False):
+    out = a if skip_clone else a.clone()
+    reduce_op = to_torch_distributed_reduce_op(op)
+    flight = _issue(lambda o, i: dist.all_reduce(o, reduce_op, group, async_op=True), out, out, ALL_REDUCE)
+    return flight if do_async else _wait_impl(flight)
+
+
 def _wait_impl(flight, /) -> torch.Tensor:
     if isinstance(flight, tuple):  # Thunder's torch executor's future: (work, tensor)
         flight = InFlight(flight[0], flight[1], None, None)
@@ -192,8 +202,10 @@ all_gather_impl = comm_ex.register_operator(ALL_GATHER_OP, meta=dist_prims.all_g
 reduce_scatter_impl = comm_ex.register_operator(
     REDUCE_SCATTER_OP, meta=dist_prims.reduce_scatter.meta, fn=_reduce_scatter_impl
 )
+all_reduce_impl = comm_ex.register_operator(ALL_REDUCE_OP, meta=dist_prims.all_reduce.meta, fn=_all_reduce_impl)
 wait_impl = comm_ex.register_operator(WAIT_OP, meta=dist_prims.wait.meta, fn=_wait_impl)
 
 comm_ex.register_implementation(dist_prims.all_gather, all_gather_impl, checker=_gathers_dim0)
 comm_ex.register_implementation(dist_prims.reduce_scatter, reduce_scatter_impl, checker=_scatters_dim0)
+comm_ex.register_implementation(dist_prims.all_reduce, all_reduce_impl)
 comm_ex.register_implementation(dist_prims.wait, wait_impl)

@@ -2,6 +2,7 @@
 
     python -m fsdp_pass explain --world-size 64 --strategy zero3 --model llama2-7b --out dry_run/
     python -m fsdp_pass explain --world-size 8 --model hf:path/to/Llama-3.2-1B/config.json --seq 2048
+    python -m fsdp_pass explain --mesh 8x64 --strategy zero3 --model llama2-7b --layers 4   # HSDP
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
 peak memory per rank, and writes the forward and backward traces to ``--out``. ``--model`` takes what
@@ -55,7 +56,11 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_MODEL_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--world-size", type=int, required=True)
+    ranks = p.add_mutually_exclusive_group(required=True)
+    ranks.add_argument("--world-size", type=int, help="FSDP over this many ranks")
+    ranks.add_argument(
+        "--mesh", type=_mesh, help="HSDP: REPLICASxSHARD, e.g. 8x64 (64 ranks per shard group, e.g. a node each, x 8)"
+    )
     p.add_argument("--strategy", choices=["zero2", "zero3"], default="zero3")
     p.add_argument(
         "--model",
@@ -79,6 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mesh(spec: str) -> tuple[int, int]:
+    parts = spec.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{spec!r} is not REPLICASxSHARD, e.g. 8x64")
+    return int(parts[0]), int(parts[1])
+
+
 def _units(spec: str):
     if spec.startswith("size:"):
         return BySize(int(float(spec[5:]) * 2**20))
@@ -94,11 +106,13 @@ def explain_command(ns) -> int:
     precision = None
     if ns.param_dtype:
         precision = MixedPrecision(_DTYPES[ns.param_dtype], _DTYPES[ns.reduce_dtype], output_dtype=torch.float32)
+    world_size = ns.mesh[0] * ns.mesh[1] if ns.mesh else ns.world_size
     run = dry_run(
         model.module,
         model.args,
-        ns.world_size,
+        world_size,
         ns.strategy,
+        mesh=ns.mesh,
         kwargs=model.kwargs,
         units=_units(ns.units),
         schedule=schedule,
@@ -108,7 +122,9 @@ def explain_command(ns) -> int:
         checkpoint_activations=ns.checkpoint,
     )
     print(
-        f"traced and lowered as rank 0 of {ns.world_size} in {run.compile_seconds:.1f} s; executors: {', '.join(run.executors)}"
+        f"traced and lowered as rank 0 of {world_size}"
+        + (f" (mesh {ns.mesh[0]} replicas x {ns.mesh[1]} ranks per shard group)" if ns.mesh else "")
+        + f" in {run.compile_seconds:.1f} s; executors: {', '.join(run.executors)}"
     )
     if ns.no_sync:
         run = replace(run, explanation=run.explanation.with_no_sync())

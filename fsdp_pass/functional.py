@@ -30,6 +30,7 @@ from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.shard.mesh import RankGroups
 from fsdp_pass.shard.module import ShardedModel
 
 
@@ -78,7 +79,7 @@ def shard_functional_trace(
     )
     fsdp = FSDPOptions.resolve(strategy, units=units, reshard_after_forward=reshard_after_forward, **options)
     tree = ModuleTree.of(model) if model is not None else None
-    sharded = ShardedModel(sharding_of_trace(prologue, computation, group, fsdp.strategy), group, tree)
+    sharded = ShardedModel(sharding_of_trace(prologue, computation, group, fsdp.strategy), RankGroups(group), tree)
     _, computation, plan = rewrite_forward(prologue, computation, sharded, fsdp)
     return computation, plan
 

@@ -44,6 +44,7 @@ CHECK_SAME_COLLECTIVES = "fsdp_pass.check_same_collectives"
 # what fsdp_comm names the ops it runs (as printed in the execution traces)
 ALL_GATHER_OP = "fsdp_all_gather"
 REDUCE_SCATTER_OP = "fsdp_reduce_scatter"
+ALL_REDUCE_OP = "fsdp_all_reduce"
 WAIT_OP = "fsdp_wait"
 ACCUMULATE_OP = "fsdp_accumulate_unsharded_grads"
 ADD_ACCUMULATED_OP = "fsdp_add_accumulated_grads"

@@ -72,6 +72,7 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
         compute_device=str(model.device) if offloaded else None,
         shard_device=str(model.shard_device) if offloaded else None,
         grad_sync=grad_sync,
+        replicate_group=model.groups.replicate,
     )
     computation = cast_compute(computation, plan, options.mixed_precision)
     computation = checkpoint_units(computation, plan)

@@ -15,6 +15,7 @@ from fsdp_pass.op_names import (
     ADD_ACCUMULATED_GRADS,
     ADD_ACCUMULATED_OP,
     ALL_GATHER_OP,
+    ALL_REDUCE_OP,
     CHECK_SAME_COLLECTIVES,
     PACK_GRADS,
     PACK_GRADS_OP,
@@ -37,6 +38,7 @@ from fsdp_pass.op_names import (
 # lowered: Thunder's torch executor, and fsdp_pass_executors.collectives
 _ALL_GATHER_IMPL = (TORCH_ALL_GATHER_OP, ALL_GATHER_OP)
 _REDUCE_SCATTER_IMPL = (TORCH_REDUCE_SCATTER_OP, REDUCE_SCATTER_OP)
+_ALL_REDUCE_IMPL = (TORCH_ALL_REDUCE_OP, ALL_REDUCE_OP)
 _WAIT_IMPL = (TORCH_WAIT_OP, WAIT_OP)
 
 
@@ -53,7 +55,7 @@ def is_reduce_scatter(bsym) -> bool:
 
 
 def is_all_reduce(bsym) -> bool:
-    return _id(bsym) in (DistIDs.ALL_REDUCE, TORCH_ALL_REDUCE_OP)
+    return _id(bsym) in (DistIDs.ALL_REDUCE, *_ALL_REDUCE_IMPL)
 
 
 def is_wait(bsym) -> bool:
@@ -73,6 +75,12 @@ def collective_kind(bsym) -> CollectiveKind | None:
     if is_all_reduce(bsym):
         return CollectiveKind.ALL_REDUCE
     return None
+
+
+def collective_group(bsym):
+    """The process group collective ``bsym`` runs on: ``all_gather(a, group, ...)``, ``reduce_scatter(a, op,
+    group, ...)``, ``all_reduce(a, op, group, ...)``."""
+    return bsym.args[1] if is_all_gather(bsym) else bsym.args[2]
 
 
 def is_unshard_unit(bsym) -> bool:

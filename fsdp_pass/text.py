@@ -35,13 +35,19 @@ def format_table(cols, rows) -> list[str]:
 
 
 def collective_label(
-    unit_name: str, kind: CollectiveKind, n_params: int, shard_bytes: int, world_size: int, padding: int
+    unit_name: str, kind: CollectiveKind, n_params: int, shard_bytes: int, world_size: int, padding: int,
+    group: str | None = None,
 ) -> str:
-    """The header every inserted collective carries in the printed traces."""
-    what = f"{kind} grads" if kind is CollectiveKind.REDUCE_SCATTER else str(kind)
+    """The header every inserted collective carries in the printed traces. ``world_size``: the ranks of the
+    group it runs on; ``group``: that group's name where there are two (HSDP: ``"shard"``, ``"replicate"``)."""
+    what = f"{kind} grads" if kind is not CollectiveKind.ALL_GATHER else str(kind)
+    over = "" if group is None else f" over the {group} group ({world_size} ranks)"
+    if kind is CollectiveKind.ALL_REDUCE:  # of the reduced shard, in place
+        size = f"{human_bytes(shard_bytes)}/rank, the reduced shard"
+    else:
+        size = f"{human_bytes(shard_bytes)}/rank x {world_size} = {human_bytes(shard_bytes * world_size)}"
     return (
-        f"[fsdp] unit {unit_name!r} {what}: {n_params} param(s), "
-        f"{human_bytes(shard_bytes)}/rank x {world_size} = {human_bytes(shard_bytes * world_size)}"
+        f"[fsdp] unit {unit_name!r} {what}{over}: {n_params} param(s), {size}"
         + (f", {padding:,} padding elements" if padding else "")
     )
 

@@ -51,8 +51,13 @@ class FSDP(Transform):
         strategy: ``"zero2"`` (keep gathered parameters for the backward) or ``"zero3"`` (free them
             after forward, gather again in the backward).
         process_group: the group to shard over; the default group if None.
+        mesh: instead of ``process_group``, a torch ``DeviceMesh``: 1-D, the group to shard over; 2-D
+            ``("replicate", "shard")``, hybrid sharding (HSDP, :mod:`fsdp_pass.shard.mesh`): each parameter is
+            sharded over the shard dim (e.g. the GPUs of a node) and replicated over the replicate dim; the
+            gradient shards are all-reduced over the replicate dim after their reduce-scatter.
         device: where shards live; default: the model's device, else ``cuda:LOCAL_RANK``.
-        broadcast_from: a rank whose initial parameters and buffers every rank takes; None keeps
+        broadcast_from: a rank (of every rank of the model) whose initial parameters and buffers every rank
+            takes; None keeps
             each rank's own (then ranks must have initialized identically, e.g. the same seed).
         units: the unit policy (see :mod:`fsdp_pass.plan.unit_policies`): ``"blocks"`` (one unit per
             repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
@@ -87,6 +92,7 @@ class FSDP(Transform):
         strategy: Strategy | str = Strategy.ZERO2,
         *,
         process_group=None,
+        mesh=None,
         device=None,
         broadcast_from: int | None = None,
         units="blocks",
@@ -111,6 +117,7 @@ class FSDP(Transform):
             timeout=timeout,
         )
         self.process_group = process_group
+        self.mesh = mesh
         # the n-th FSDP made in this process: every rank makes its transforms in the same order, so this names
         # the same model on every rank (collective helpers count their calls per model: verify.ranks_arrive)
         self.ordinal = next(_ORDINALS)
@@ -135,7 +142,13 @@ class FSDP(Transform):
 
     @property
     def group(self):
+        """The process group the parameters are sharded over (None before the module is sharded)."""
         return None if self.model is None else self.model.group
+
+    @property
+    def groups(self):
+        """The :class:`~fsdp_pass.shard.mesh.RankGroups`: the shard group, with HSDP the replicate group too."""
+        return None if self.model is None else self.model.groups
 
     @property
     def unit_plan(self):
@@ -143,13 +156,13 @@ class FSDP(Transform):
         return None if self.compiled_step is None else self.compiled_step.plan
 
     def transform_module(self, model) -> None:
-        group = check_process_group(self.process_group)
+        groups = check_process_group(self.process_group, self.mesh)
         check_not_sharded_yet(model)
         ensure_comm_executor(model)
         restore_from_shards(model)  # jitted again: start from the weights an earlier FSDP jit holds
         self.model = shard_module(
             model,
-            group,
+            groups,
             self.strategy,
             self.device,
             self.broadcast_from,
@@ -173,7 +186,7 @@ class FSDP(Transform):
         phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
         step = self.compiled_step
         trace, units = finish_lowered(
-            computation_trace, phase, step.plan, self.options, self.model.group, step_key=step.key
+            computation_trace, phase, step.plan, self.options, self.model.groups.everyone, step_key=step.key
         )
         self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace
@@ -189,7 +202,7 @@ class FSDP(Transform):
     def arrive(self, what: str) -> None:
         """Return once every rank of the group has called the collective helper ``what`` on this model; an
         FSDPError naming the ranks that did not after ``FSDP(timeout=...)`` (:mod:`fsdp_pass.verify.ranks_arrive`)."""
-        ranks_arrive(what, self.group, self.options.timeout, scope=f"model{self.ordinal}")
+        ranks_arrive(what, self.model.groups.everyone, self.options.timeout, scope=f"model{self.ordinal}")
 
     def _compiled(self, what: str) -> CompiledStep:
         check(

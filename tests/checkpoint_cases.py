@@ -166,16 +166,18 @@ def full_and_flat_forms(model_name: str, strategy: str, optimizer: str, **fsdp_k
 
 
 def resume_elsewhere(
-    model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, m: int = 2, **fsdp_kwargs
+    model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, m: int = 2, keep: bool = False,
+    **fsdp_kwargs,
 ):
-    """A fresh model and optimizer at this world size load the checkpoint saved at another, and train on."""
+    """A fresh model and optimizer at this world size load the checkpoint saved at another, and train on.
+    ``keep``: the model and optimizer under ``"jm"`` and ``"opt"`` too, for a caller on the rank."""
     jm = _jit(model_name, strategy, **fsdp_kwargs)
     opt = make_optimizer(jm, optimizer)
     resumed = fsdp_pass.load_checkpoint(directory, jm, opt)
     state_at_load = whole_state(jm, opt)
     losses = train(jm, opt, model_name, range(k, k + m))
     params = _full_params(jm)
-    return {
+    return ({"jm": jm, "opt": opt} if keep else {}) | {
         "resumed": (resumed.step, resumed.extra),
         "state_at_load": state_at_load,
         "losses": losses,

@@ -144,7 +144,7 @@ def parity(
             ours.append(full_grad)
             theirs.append(ref_params[spec.name].grad)
             # padding rows of the shard stay exactly zero
-            pad_start = spec.layout.rows - rank * spec.layout.rows_per_rank
+            pad_start = spec.layout.rows - fsdp.sharding.rank * spec.layout.rows_per_rank  # rank in the shard group
             if 0 <= pad_start < spec.layout.rows_per_rank:
                 assert shard.detach().reshape(spec.layout.shard_shape)[pad_start:].abs().max() == 0
         grad_err.append(step_grad_err)

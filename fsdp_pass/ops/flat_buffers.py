@@ -7,11 +7,11 @@
   0's part of every parameter, then rank 1's, ...) cut into the full parameters, padding rows dropped; one
   copy-out per unit (views of the buffer for a one-parameter unit and at world size 1).
 - ``pack_grads(grads, unit, full_shapes, world_size, dtype, divide_first)``: full gradients laid out rank-major
-  with zero padding rows, in the reduce ``dtype``: the buffer the reduce-scatter reads (divided by the world
-  size first when ``divide_first``, as float16 needs).
-- ``unpack_grad_shard(local, unit, shard_shapes, world_size, divide, dtype, device)``: the reduce-scatter's
-  part for this rank, divided by the world size (unless already), cast to the shards' ``dtype`` and copied to
-  their ``device``, cut into the shard gradients.
+  with zero padding rows, in the reduce ``dtype``: the buffer the reduce-scatter reads (divided first by
+  ``divide_first``, the number of ranks whose gradients are summed, as float16 needs; None: not divided).
+- ``unpack_grad_shard(local, unit, shard_shapes, ranks, divide, dtype, device)``: the reduced part for this
+  rank, divided by ``ranks``, the number of ranks summed (unless already), cast to the shards' ``dtype`` and
+  copied to their ``device``, cut into the shard gradients.
 
 They are single ops on purpose. A fusion executor (nvFuser, Thunder's torchcompile) claims every op it can
 between two it cannot; written as torch-level ops, the packing of unit k+1 would be fused into unit k's
@@ -74,12 +74,12 @@ def _unpack_gathered_meta(gathered, unit: str, full_shapes, world_size: int) -> 
     return tuple(TensorProxy(like=gathered, shape=tuple(s)) for s in full_shapes)
 
 
-def _pack_grads_meta(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: bool) -> TensorProxy:
+def _pack_grads_meta(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: int | None) -> TensorProxy:
     numel = world_size * sum(lay.shard_numel for lay in layouts_of(full_shapes, world_size))
     return TensorProxy(like=grads[0], shape=(numel,), dtype=dtype or grads[0].dtype)
 
 
-def _unpack_grad_shard_meta(local, unit: str, shard_shapes, world_size: int, divide: bool, dtype, device) -> tuple:
+def _unpack_grad_shard_meta(local, unit: str, shard_shapes, ranks: int, divide: bool, dtype, device) -> tuple:
     return tuple(
         TensorProxy(like=local, shape=tuple(s), dtype=dtype or local.dtype, device=_device(device) or local.device)
         for s in shard_shapes
@@ -93,11 +93,11 @@ unpack_grad_shard = prims.make_prim(UNPACK_GRAD_SHARD, "unpack_grad_shard", meta
 
 
 def pack_is_view(count: int, padding_rows: int = 0, cast: bool = False, moved: bool = False,
-                 divide_first: bool = False) -> bool:
+                 divide_first: int | None = None) -> bool:
     """Whether a pack op returns its input flattened, a view and no new buffer: one tensor, no padding rows to
     add, no cast, no device copy, no division. The executor's code follows this rule and the memory model
     (:func:`views_of_inputs`) counts by it."""
-    return count == 1 and not (padding_rows or cast or moved or divide_first)
+    return count == 1 and not (padding_rows or cast or moved or divide_first is not None)
 
 
 def unpack_is_view(count: int, world_size: int) -> bool:

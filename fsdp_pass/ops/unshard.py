@@ -16,8 +16,11 @@ Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thun
      ``("flush", accumulators)`` (the first step after accumulating): the accumulator is added to the
      buffer and emptied;
   3. ``reduce_scatter`` (sum) and its ``wait``: every rank receives the sum of its own shard's part;
-  4. ``unpack_grad_shard``: that part divided by the world size (the mean over ranks, on 1/N of the
-     buffer), cast back to the shards' dtype, copied to where the shards live, cut into the shard gradients.
+  4. HSDP (a replicate group, :mod:`fsdp_pass.shard.mesh`): ``all_reduce`` (sum) of that part over the ranks
+     holding the same shard, and its ``wait``: the sum over every rank of the model;
+  5. ``unpack_grad_shard``: that part divided by the number of ranks summed (the mean over every rank, on 1/N
+     of the buffer), cast back to the shards' dtype, copied to where the shards live, cut into the shard
+     gradients.
 
 ZeRO-3 needs no extra op: the pass tags the forward ``unshard_unit`` with
 ``RECOMPUTE_IN_BACKWARD``, so Thunder's autodiff re-issues the all-gather in the backward instead of
@@ -38,6 +41,7 @@ from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_gra
 
 
 def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None):
+    """Forward steps 1-3: the unit's full parameters from every rank's shards."""
     cast = param_dtype if param_dtype is not None and param_dtype != shards[0].dtype else None
     flat = pack_shards(shards, unit_name, cast, compute_device)
     gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
@@ -45,7 +49,8 @@ def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_dev
 
 
 def unshard_unit_meta(
-    shards, group, unit_name: str, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None, grad_sync=None
+    shards, group, unit_name: str, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None,
+    grad_sync=None, replicate_group=None,
 ):
     return _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device)
 
@@ -58,10 +63,13 @@ unshard_unit = Symbol(
 )
 
 
-def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype=None, grad_sync=None):
-    """Sum full gradients over ranks, each rank keeping its shard's part (one reduce-scatter): the flat,
-    padded, rank-major buffer it reads (divided by the world size first in float16), or None when
-    ``grad_sync`` accumulates instead; then the reduced part.
+def reduce_scatter_grads(
+    grads, group, unit_name: str, full_shapes, reduce_dtype=None, grad_sync=None, replicate_group=None
+):
+    """Sum full gradients over every rank, each rank keeping its shard's part: one reduce-scatter over
+    ``group``, then (HSDP) one all-reduce of the part over ``replicate_group``. Returns None when ``grad_sync``
+    accumulates instead; else ``(the summed part, whether it was divided already)`` (float16 divides the
+    packed buffer by the number of ranks first).
 
     ``grad_sync``: None (reduce now), or ``(mode, accumulators)`` with mode ``"accumulate"`` (add to the
     unit's accumulator and return None: no collective) or ``"flush"`` (add the unit's accumulator, empty
@@ -69,8 +77,9 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype
     :class:`~fsdp_pass.ops.grad_accumulation.GradAccumulators`.
     """
     world_size = group.size()
+    ranks = world_size * (1 if replicate_group is None else replicate_group.size())
     dtype = reduce_dtype or grads[0].dtype
-    divide_first = dtype in _OVERFLOWING_SUMS  # a sum of averages stays in range
+    divide_first = ranks if dtype in _OVERFLOWING_SUMS else None  # a sum of averages stays in range
     flat = pack_grads(grads, unit_name, tuple(tuple(s) for s in full_shapes), world_size, reduce_dtype, divide_first)
     if grad_sync is not None:
         mode, accumulators = grad_sync
@@ -79,7 +88,11 @@ def reduce_scatter_grads(grads, group, unit_name: str, full_shapes, reduce_dtype
             return None
         flat = add_accumulated_grads(flat, unit_name, accumulators)
     local = dist_prims.wait(dist_prims.reduce_scatter(flat, dist_prims.DistributedReduceOps.SUM, group, True, None))
-    return local, divide_first
+    if replicate_group is not None:  # in place: the reduce-scatter's output is nobody else's
+        local = dist_prims.wait(
+            dist_prims.all_reduce(local, dist_prims.DistributedReduceOps.SUM, replicate_group, True, True)
+        )
+    return local, divide_first is not None
 
 
 # dtypes in which the sum of N gradients can overflow, so the reduce-scatter sums averages instead
@@ -101,21 +114,25 @@ def _reduce_scalar_grad(grad, shape):
 
 
 def _unshard_unit_grad(
-    shards, group, unit_name, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None, grad_sync=None
+    shards, group, unit_name, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None,
+    grad_sync=None, replicate_group=None,
 ):
     fulls = _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device)
     trainable = [i for i, s in enumerate(shards) if s.requires_grad]
     if not trainable:
         return fulls
     grads = [_reduce_scalar_grad(get_grad(fulls[i]), full_shapes[i]) for i in trainable]
-    reduced = reduce_scatter_grads(grads, group, unit_name, [full_shapes[i] for i in trainable], reduce_dtype, grad_sync)
+    reduced = reduce_scatter_grads(
+        grads, group, unit_name, [full_shapes[i] for i in trainable], reduce_dtype, grad_sync, replicate_group
+    )
     if reduced is None:  # accumulated, not reduced: the shards get no gradient this step
         return fulls
     local, divided = reduced
     home = shards[trainable[0]]  # the optimizer steps on the shards' dtype and device (the master weights)
     shard_shapes = tuple(tuple(shards[i].shape) for i in trainable)
+    ranks = group.size() * (1 if replicate_group is None else replicate_group.size())
     shard_grads = unpack_grad_shard(
-        local, unit_name, shard_shapes, group.size(), not divided,
+        local, unit_name, shard_shapes, ranks, not divided,
         None if home.dtype == local.dtype else home.dtype,
         None if compute_device is None else home.device.device_str(),
     )

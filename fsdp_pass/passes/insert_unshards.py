@@ -13,8 +13,8 @@
 Options carried by each ``unshard_unit`` (see :mod:`fsdp_pass.ops.unshard`): the gather and reduce dtypes
 of a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, the compute device when the shards are
 offloaded (the sharded arguments then live on the offload device, while the trace the module's code made
-computes on the compute device), and the gradient-sync mode ``(mode, accumulators)`` of
-:mod:`fsdp_pass.ops.grad_accumulation`.
+computes on the compute device), the gradient-sync mode ``(mode, accumulators)`` of
+:mod:`fsdp_pass.ops.grad_accumulation`, and HSDP's replicate group (:mod:`fsdp_pass.shard.mesh`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def sharded_arg_proxies(trace, plan: UnitPlan, shard_device=None) -> dict:
     return swap
 
 
-def _unshard_op(new, unit, plan: UnitPlan, shards, group, precision, compute_device, grad_sync):
+def _unshard_op(new, unit, plan: UnitPlan, shards, group, precision, compute_device, grad_sync, replicate_group):
     """The ``unshard_unit`` bound symbol of ``unit``, traced into ``new`` (not appended) -> (bsym, fulls)."""
     shapes = tuple(plan.sharding.param(p).layout.shape for p in unit.params)
     mode, _ = grad_sync
@@ -58,6 +58,7 @@ def _unshard_op(new, unit, plan: UnitPlan, shards, group, precision, compute_dev
             thunder_dtype(precision.reduce_dtype),
             compute_device,
             None if mode == REDUCE else grad_sync,
+            replicate_group,
         )
     (bsym,) = new.pop_scope()
     if unit.reshard_after_forward:
@@ -83,10 +84,11 @@ def insert_unshards(
     compute_device: str | None = None,
     shard_device: str | None = None,
     grad_sync: tuple = (REDUCE, None),
+    replicate_group=None,
 ):
     """``compute_device``, ``shard_device``: where the step computes and where the shards live, when the
     shards are offloaded (None otherwise); ``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode
-    this trace is compiled for."""
+    this trace is compiled for; ``replicate_group``: HSDP's replicate group (None: no replicas)."""
     sharded = sharded_arg_proxies(trace, plan, shard_device)
     arg_of_param = {param: arg for arg, param in plan.param_of_arg.items()}
     unit_of_arg = {arg_of_param[p]: u for u in plan.units for p in u.params}
@@ -110,7 +112,8 @@ def insert_unshards(
                 continue
             args = [arg_of_param[name] for name in unit.params]
             op, fulls = _unshard_op(
-                new, unit, plan, [sharded_by_name[a] for a in args], group, precision, compute_device, grad_sync
+                new, unit, plan, [sharded_by_name[a] for a in args], group, precision, compute_device, grad_sync,
+                replicate_group,
             )
             new.bound_symbols.append(op)
             gathered.update({full_by_name[a]: full for a, full in zip(args, fulls)})

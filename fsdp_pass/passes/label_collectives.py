@@ -7,7 +7,9 @@ Thunder's lowering replaces our ops with executor calls and drops their comments
 back on the final forward and backward traces, read off the ops themselves (never off positions):
 
 1. each collective and its wait: unit, kind, parameters, bytes per rank in the dtype the collective moves
-   (``# [fsdp] unit 'layers.0' all-gather: 9 param(s), 12.1 MiB/rank x 64 = 772.0 MiB``);
+   (``# [fsdp] unit 'layers.0' all-gather: 9 param(s), 12.1 MiB/rank x 64 = 772.0 MiB``); with HSDP also the
+   group it runs on (``reduce-scatter grads over the shard group (64 ranks)``, ``all-reduce grads over the
+   replicate group (8 ranks)``);
 2. each pack, unpack and accumulation op: what it does for its unit (the unit's name is the op's second
    argument): packing the shards (and casting, copying them), cutting the parameters out, packing the
    gradients (casting, dividing first in float16), dividing, casting and copying the reduced shard back.
@@ -18,9 +20,10 @@ from __future__ import annotations
 from thunder.core.proxies import Proxy
 from thunder.core.trace import TraceProvenance, from_trace
 
-from fsdp_pass.op_names import CollectiveKind
+from fsdp_pass.op_names import ALL_REDUCE, CollectiveKind
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import (
+    collective_group,
     is_collective,
     is_pack_grads,
     is_pack_shards,
@@ -33,10 +36,14 @@ from fsdp_pass.predicates import (
 from fsdp_pass.text import collective_label
 
 
-def _label(plan: UnitPlan, unit, kind: CollectiveKind, itemsize: int) -> str:
+def _label(plan: UnitPlan, unit, kind: CollectiveKind, bsym, hsdp: bool) -> str:
+    """The header of collective ``bsym``: its unit, kind and bytes, read off the op (dtype moved, group size)."""
     _, shard_numel, padding = plan.unit_numel(unit)
-    shard_bytes = shard_numel * itemsize
-    return collective_label(unit.name, kind, len(unit.params), shard_bytes, plan.sharding.world_size, padding)
+    shard_bytes = shard_numel * bsym.flat_proxy_args[0].dtype.bytes
+    group = None if not hsdp else ("replicate" if kind is ALL_REDUCE else "shard")
+    return collective_label(
+        unit.name, kind, len(unit.params), shard_bytes, collective_group(bsym).size(), padding, group
+    )
 
 
 def _dtype(dtype) -> str:
@@ -47,7 +54,7 @@ def _device(device) -> str:
     return device if isinstance(device, str) else device.device_str()
 
 
-def _pack_shards(args, unit) -> list[str]:
+def _pack_shards(args, unit, world_size) -> list[str]:
     shards, _, dtype, device = args
     n = len(shards)
     parts = [f"pack {n} shards into one flat buffer" if n > 1 else "flatten the shard"]
@@ -58,29 +65,37 @@ def _pack_shards(args, unit) -> list[str]:
     return parts
 
 
-def _unpack_gathered(args, unit) -> list[str]:
+def _unpack_gathered(args, unit, world_size) -> list[str]:
     if len(unit.params) == 1:
         return [f"{unit.params[0]} is a view of the gathered buffer"]
     return [f"cut out {', '.join(unit.params)} (one copy out of the gathered buffer, padding rows dropped)"]
 
 
-def _pack_grads(args, unit) -> list[str]:
-    grads, _, _, world_size, dtype, divide_first = args
+def _ranks_summed(ranks: int, world_size: int) -> str:
+    """``"world size 64"``; with HSDP ``"512 ranks (64 per shard group x 8 replicas)"``."""
+    if ranks == world_size:
+        return f"world size {world_size}"
+    return f"{ranks} ranks ({world_size} per shard group x {ranks // world_size} replicas)"
+
+
+def _pack_grads(args, unit, world_size) -> list[str]:
+    grads, _, _, _, dtype, divide_first = args
     n = len(grads)
     parts = [f"pack {n} gradients into one flat buffer" if n > 1 else "flatten the gradient"]
     if dtype is not None and dtype != grads[0].dtype:
         parts.append(f"cast the gradients from {_dtype(grads[0].dtype)} to {_dtype(dtype)} before the reduce-scatter")
-    if divide_first:
-        parts.append(f"gradients divided by the world size {world_size} before the reduce-scatter sums them "
-                     "(float16's range)")
+    if divide_first is not None:
+        parts.append(f"gradients divided by the {_ranks_summed(divide_first, world_size)} before the reduce-scatter "
+                     "sums them (float16's range)")
     return parts
 
 
-def _unpack_grad_shard(args, unit) -> list[str]:
-    local, _, shapes, world_size, divide, dtype, device = args
+def _unpack_grad_shard(args, unit, world_size) -> list[str]:
+    local, _, shapes, ranks, divide, dtype, device = args
     parts = []
     if divide:
-        parts.append(f"divide the gradient shard by the world size {world_size} (the reduce-scatter summed): "
+        summed = "the reduce-scatter summed" if ranks == world_size else "the reduce-scatter and all-reduce summed"
+        parts.append(f"divide the gradient shard by the {_ranks_summed(ranks, world_size)} ({summed}): "
                      "the mean over ranks")
     if dtype is not None:
         parts.append(f"cast the gradient shard from {_dtype(local.dtype)} to {_dtype(dtype)} for the optimizer")
@@ -90,7 +105,7 @@ def _unpack_grad_shard(args, unit) -> list[str]:
     return parts
 
 
-def _unit_op_header(bsym, unit) -> str:
+def _unit_op_header(bsym, unit, world_size: int) -> str:
     """What one of the pass's pack, unpack or accumulation ops does for ``unit``."""
     for matches, describe in (
         (is_pack_shards, _pack_shards),
@@ -99,7 +114,7 @@ def _unit_op_header(bsym, unit) -> str:
         (is_unpack_grad_shard, _unpack_grad_shard),
     ):
         if matches(bsym):
-            return f"[fsdp] unit {unit.name!r}: " + "; ".join(describe(bsym.args, unit))
+            return f"[fsdp] unit {unit.name!r}: " + "; ".join(describe(bsym.args, unit, world_size))
     output = bsym.output if isinstance(bsym.output, Proxy) else None
     what = "add the gradients accumulated under no_sync (and empty them)" if output is not None else (
         "no_sync: add the unsharded gradients to its accumulator")
@@ -108,11 +123,13 @@ def _unit_op_header(bsym, unit) -> str:
 
 def annotate_collectives(trace, plan: UnitPlan, found: dict):
     """``found``: what :func:`~fsdp_pass.passes.units_of_collectives.units_of_collectives` returns for ``trace``."""
+    hsdp = any(kind is ALL_REDUCE for _, kind in found.values())  # two groups: say which one each runs on
     headers = {
-        b.output.name: _label(plan, *found[b.output.name], b.flat_proxy_args[0].dtype.bytes)
+        b.output.name: _label(plan, *found[b.output.name], b, hsdp)
         for b in trace.bound_symbols
         if is_collective(b) and b.output.name in found
     }
+    world_size = plan.sharding.world_size
     unit_named = plan.unit_named
     new = from_trace(trace)
     for bsym in trace.bound_symbols:
@@ -122,7 +139,7 @@ def annotate_collectives(trace, plan: UnitPlan, found: dict):
         elif is_wait(bsym) and bsym.args[0].name in headers:
             bsym = bsym.from_bsym(header=headers[bsym.args[0].name].replace("[fsdp]", "[fsdp] wait:", 1))
         elif is_unit_op(bsym) and unit_of_op(bsym) in unit_named:
-            bsym = bsym.from_bsym(header=_unit_op_header(bsym, unit_named[unit_of_op(bsym)]))
+            bsym = bsym.from_bsym(header=_unit_op_header(bsym, unit_named[unit_of_op(bsym)], world_size))
         new.bound_symbols.append(bsym)
     new.set_provenance(TraceProvenance("fsdp_pass: label collectives with their units"))
     return new

@@ -18,8 +18,11 @@ every rank, and every recompile, issues the same collectives in the same order.
    sooner.
 4. Reduce-scatters (and all-reduces) are issued as soon as their input is computed; their waits, by
    step 2, sit just before the first use of their result (the backward's end at the latest), but no
-   more than ``reduce_scatters_in_flight`` are outstanding: reduce-scatter ``k`` is waited before
+   more than ``reduce_scatters_in_flight`` of a kind are outstanding: reduce-scatter ``k`` is waited before
    ``k + reduce_scatters_in_flight`` is issued (each one keeps its full-size input alive until then).
+   HSDP: a reduce-scatter whose result an all-reduce sums over the replicas is waited right before the next
+   reduce-scatter is issued (after the next unit's gradients are computed), and its all-reduce issued right
+   then: the reduce-scatter overlaps the next unit's backward, the all-reduce the one after.
 5. The packing ops that feed only a collective (reshapes, ``cat``, ``pad``, casts) move with
    it, so a prefetched gather's send buffer is not built long before it is sent.
 6. A priority topological sort puts it together (a key per op: its old position, or the position it
@@ -38,7 +41,16 @@ from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
 from fsdp_pass.passes.collective_groups import graph, packing_group, unpacking_group
-from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_collective, is_packing, is_return, is_wait
+from fsdp_pass.predicates import (
+    is_all_gather,
+    is_all_reduce,
+    is_bookkeeping,
+    is_collective,
+    is_packing,
+    is_reduce_scatter,
+    is_return,
+    is_wait,
+)
 from fsdp_pass.plan.schedule import Schedule
 
 _EARLIEST = -math.inf
@@ -91,6 +103,7 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
             wait_group[c] = group
             args = [p.name for p in bsyms[first_use].flat_proxy_args]
             use_order[c] = (first_use, min((i for i, n in enumerate(args) if n in made), default=0))
+    _wait_chained_before_next_reduction(bsyms, wait_group, producer, key)
 
     # 3. gathers, in order of use (a weight before the bias the same op reads), after the wait
     #    `prefetch` gathers earlier
@@ -120,22 +133,43 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
     return new
 
 
+def _wait_chained_before_next_reduction(bsyms, wait_group, producer, key) -> None:
+    """Step 4, HSDP: a reduction whose result another collective reads (a reduce-scatter summed over the
+    replicas by an all-reduce) is waited right before the next reduction that reads no collective's result is
+    issued; the collective reading it is issued right after (as soon as its input exists)."""
+    waits = {group[0] for group in wait_group.values()}  # a wait group starts with its wait
+    fed = {c for c in wait_group if producer.get(bsyms[c].flat_proxy_args[0].name) in waits}
+    firsts = sorted(c for c in wait_group if not is_all_gather(bsyms[c]) and c not in fed)
+    for k, c in enumerate(firsts[:-1]):
+        if any(j in fed for j in _readers_of(bsyms, wait_group[c])):
+            for j in wait_group[c]:  # later than step 2 put it: before the reading collective
+                key[j] = (firsts[k + 1] - 0.5, 0)
+
+
+def _readers_of(bsyms, group) -> set[int]:
+    made = {o.name for j in group for o in bsyms[j].flat_proxy_outs}
+    return {i for i, b in enumerate(bsyms) if i not in group and any(p.name in made for p in b.flat_proxy_args)}
+
+
 def _bound_reductions_in_flight(order, bsyms, producer, wait_group, limit) -> list[int]:
-    """Wait for reduce-scatter ``k`` before reduce-scatter ``k + limit`` is issued.
+    """Wait for reduce-scatter ``k`` before reduce-scatter ``k + limit`` is issued (all-reduces likewise).
 
     A reduce-scatter keeps its full-size input alive until its wait, so without a bound every unit's
     full gradient buffer would live until the backward's end.
     """
-    issued = [i for i in order if i in wait_group and not is_all_gather(bsyms[i])]
-    if limit is None or len(issued) <= limit:
-        return order
     position = {i: p for p, i in enumerate(order)}
     key = [(float(position[i]), 0) for i in range(len(bsyms))]
-    for k, c in enumerate(issued[:-limit]):
-        deadline = position[issued[k + limit]] - 0.5
-        for j in wait_group[c]:
-            key[j] = min(key[j], (deadline, 0))
-    return _priority_topological_order(bsyms, producer, key)
+    moved = False
+    for kind in (is_reduce_scatter, is_all_reduce):
+        issued = [i for i in order if i in wait_group and kind(bsyms[i])]
+        if limit is None or len(issued) <= limit:
+            continue
+        for k, c in enumerate(issued[:-limit]):
+            deadline = position[issued[k + limit]] - 0.5
+            for j in wait_group[c]:
+                key[j] = min(key[j], (deadline, 0))
+        moved = True
+    return _priority_topological_order(bsyms, producer, key) if moved else order
 
 
 def _priority_topological_order(bsyms, producer, key) -> list[int]:

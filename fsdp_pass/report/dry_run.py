@@ -20,6 +20,7 @@ from pathlib import Path
 
 import thunder
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass.errors import check
@@ -71,12 +72,14 @@ def dry_run(
     kwargs: dict | None = None,
     executors=None,
     optimizer="adam",
+    mesh: tuple[int, int] | None = None,
     **fsdp_kwargs,
 ) -> DryRun:
     """Compile one step of ``module(*args, **kwargs)`` as rank 0 of ``world_size`` ranks would, and explain it.
 
     ``kwargs``: the model's keyword inputs (e.g. ``{"input_ids": ..., "labels": ...}``); ``executors``:
-    Thunder executors to lower with (default: this project's CPU list); ``fsdp_kwargs`` go to
+    Thunder executors to lower with (default: this project's CPU list); ``mesh``: ``(replicas, shard size)``
+    for HSDP on a 2-D mesh of ``world_size`` ranks (None: FSDP over all of them); ``fsdp_kwargs`` go to
     :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
     """
     check(
@@ -84,12 +87,19 @@ def dry_run(
         f"world_size must be a positive int, got {world_size!r}.",
         "Pass the number of ranks to plan for, e.g. 64.",
     )
+    check(
+        mesh is None or (len(mesh) == 2 and mesh[0] * mesh[1] == world_size),
+        f"mesh={mesh!r} is not (replicas, shard size) of {world_size} ranks.",
+        f"Pass two numbers whose product is the world size, e.g. mesh=(8, {max(world_size // 8, 1)}).",
+    )
     _check_on_meta(module)
     args = tuple(map(_input_on_meta, args))
     kwargs = {name: _input_on_meta(value) for name, value in (kwargs or {}).items()}
     executors = executors if executors is not None else executors_for("cpu")
     t0 = time.perf_counter()
     with fake_process_group(world_size), autocast_on_meta_as("cpu"):
+        if mesh is not None:
+            fsdp_kwargs["mesh"] = init_device_mesh("cpu", tuple(mesh), mesh_dim_names=("replicate", "shard"))
         fsdp = FSDP(strategy, device="meta", **fsdp_kwargs)
         jm = thunder.jit(module, transforms=[fsdp], executors=executors)
         thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)

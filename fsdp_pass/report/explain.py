@@ -155,7 +155,8 @@ class Explanation:
         sp = self.plan.sharding
         head = (
             f"FSDP explain: strategy={sp.strategy.value} world_size={sp.world_size} "
-            f"units={len(self.units)} policy={self.plan.policy}"
+            + (f"(per shard group) replicas={self._replicas()} " if self._replicas() else "")
+            + f"units={len(self.units)} policy={self.plan.policy}"
         )
         cols = ("unit", "params", "numel", "shard/rank", "unsharded", "pad", "reshard", "ckpt")
         if self.stats is not None:

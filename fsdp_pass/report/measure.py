@@ -1,7 +1,9 @@
 """Measure what a real step allocates and communicates, to hold :func:`fsdp_pass.report.explain`'s predictions against.
 
 ``CollectiveBytes()``: a context that records the full buffer of every all-gather and reduce-scatter
-handed to ``torch.distributed`` while it is open, and the bytes each rank sends for them (ring model).
+handed to ``torch.distributed`` while it is open (and of every all-reduce of floating-point values: HSDP's
+gradient shards; the per-step check's integer all-reduce is not the step's data), and the bytes each rank
+sends for them (ring model, over each call's group).
 
 ``allocated_during(fn) -> Allocations``: run ``fn()`` under torch's profiler with memory profiling on
 and replay every allocation and free of the window in time order. It sees every tensor allocation of
@@ -36,24 +38,30 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 
 
 class CollectiveBytes:
-    """Records ``(kind, full buffer bytes)`` of each all-gather / reduce-scatter issued inside the block."""
+    """Records ``(kind, full buffer bytes)`` of each collective issued inside the block (``calls``), and the size
+    of the group each ran on (``group_sizes``)."""
 
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
+        self.group_sizes: list[int] = []
 
     @property
     def bytes_sent_per_rank(self) -> float:
-        """Ring model: a collective over a full buffer of S bytes sends (N-1)/N * S from each rank."""
-        n = dist.get_world_size()
-        return sum(b for _, b in self.calls) * (n - 1) / n
+        """Ring model: over a group of N ranks, a gather or reduce-scatter of a full buffer of S bytes sends
+        (N-1)/N * S from each rank, an all-reduce twice that."""
+        total = 0.0
+        for (kind, size), n in zip(self.calls, self.group_sizes):
+            total += size * (n - 1) / n * (2 if kind is ALL_REDUCE else 1)
+        return total
 
     def __enter__(self):
-        def record(kind, out, inp, call):
+        def record(kind, out, inp, group, call):
             self.calls.append((kind, (out if kind is ALL_GATHER else inp).nbytes))
+            self.group_sizes.append(dist.get_world_size(group))
             return call()
 
         self._intercept = _InterceptCollectives(record).__enter__()
@@ -64,16 +72,17 @@ class CollectiveBytes:
 
 
 class _InterceptCollectives:
-    """While open, every ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` call goes
-    through ``around(kind, out, inp, call)``, which must return ``call()``'s result."""
+    """While open, every ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` call, and every
+    ``dist.all_reduce`` of a floating-point tensor, goes through ``around(kind, out, inp, group, call)``, which
+    must return ``call()``'s result (an all-reduce's ``out`` and ``inp`` are its one tensor)."""
 
     def __init__(self, around):
         self.around = around
 
     def __enter__(self):
-        self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = (
-            self._wrapped(kind, f) for kind, f in zip((ALL_GATHER, REDUCE_SCATTER), self._saved)
+        self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = (
+            self._wrapped(kind, f) for kind, f in zip((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE), self._saved)
         )
         return self
 
@@ -82,13 +91,17 @@ class _InterceptCollectives:
 
         @functools.wraps(collective)  # so that a second interception reads the same signature
         def wrapper(*args, **kwargs):  # callers name the tensors (FSDP2: output=, input=) or not
-            out, inp = list(signature.bind(*args, **kwargs).arguments.values())[:2]
-            return self.around(kind, out, inp, lambda: collective(*args, **kwargs))
+            bound = signature.bind(*args, **kwargs).arguments
+            tensors = [bound["tensor"]] * 2 if kind is ALL_REDUCE else list(bound.values())[:2]
+            call = functools.partial(collective, *args, **kwargs)
+            if kind is ALL_REDUCE and not tensors[0].is_floating_point():
+                return call()
+            return self.around(kind, *tensors, bound.get("group"), call)
 
         return wrapper
 
     def __exit__(self, *exc):
-        dist.all_gather_into_tensor, dist.reduce_scatter_tensor = self._saved
+        dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = self._saved
 
 
 _ISSUED, _WAITED = "fsdp_measure::issued ", "fsdp_measure::waited "
@@ -127,7 +140,7 @@ class _CollectiveBuffers:
     def __init__(self):
         self.blocks: list[list[tuple[int, weakref.ref]]] = []  # collective N -> [(address, storage)]
 
-    def __call__(self, kind, out, inp, call):
+    def __call__(self, kind, out, inp, group, call):
         index = len(self.blocks)
         self.blocks.append([(t.untyped_storage().data_ptr(), weakref.ref(t.untyped_storage())) for t in (out, inp)])
         _mark(_ISSUED, index)

@@ -4,8 +4,10 @@
 that uses Thunder's distributed prims (this pass's traces, and Thunder's own FSDP's):
 
 1. every all-gather, reduce-scatter and all-reduce, with the size of its full (unsharded) buffer;
-2. bytes each rank sends per step, in the ring model: an all-gather or reduce-scatter of a full buffer of
-   S bytes costs (N-1)/N * S per rank, an all-reduce twice that;
+2. bytes each rank sends per step, in the ring model over the group each collective runs on (N ranks): an
+   all-gather or reduce-scatter of a full buffer of S bytes costs (N-1)/N * S per rank, an all-reduce twice
+   that; with HSDP, split by group: the shard group's gathers and reduce-scatters (within a node, as meshes are
+   usually laid out) and the replicate group's all-reduces (across nodes);
 3. peak gathered-parameter bytes (:func:`fsdp_pass.report.memory.live_over_step`): a gathered buffer is live
    from its all-gather's issue to the last use of anything cut out of it (views, reshapes, slices).
    What the forward saves for the backward stays live until the backward's last use of it.
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveKind
-from fsdp_pass.predicates import collective_kind
+from fsdp_pass.predicates import collective_group, collective_kind
 from fsdp_pass.report.memory import live_over_step, tensor_bytes
 
 
@@ -29,6 +31,13 @@ class Collective:
     kind: CollectiveKind
     position: int  # index in its trace
     full_bytes: int  # the unsharded buffer: gathered output, or reduce-scatter / all-reduce input
+    group_size: int  # the ranks of the group it runs on
+
+    @property
+    def bytes_per_rank(self) -> float:
+        """Ring model: what each rank sends for it."""
+        n = self.group_size
+        return self.full_bytes * (n - 1) / n * (2 if self.kind is ALL_REDUCE else 1)
 
 
 def collectives_of(trace, phase: str) -> list[Collective]:
@@ -37,7 +46,7 @@ def collectives_of(trace, phase: str) -> list[Collective]:
         kind = collective_kind(b)
         if kind is not None:  # the full buffer: what an all-gather returns, what the others read
             full = b.output if kind is ALL_GATHER else b.flat_proxy_args[0]
-            out.append(Collective(phase, kind, i, tensor_bytes(full)))
+            out.append(Collective(phase, kind, i, tensor_bytes(full), collective_group(b).size()))
     return out
 
 
@@ -52,8 +61,12 @@ class StepStats:
 
     @property
     def bytes_per_rank(self) -> float:
-        n = self.world_size
-        return sum(c.full_bytes * (n - 1) / n * (2 if c.kind is ALL_REDUCE else 1) for c in self.collectives)
+        return sum(c.bytes_per_rank for c in self.collectives)
+
+    @property
+    def replicate_bytes_per_rank(self) -> float:
+        """HSDP: what each rank sends over the replicate group (the gradient shards' all-reduces)."""
+        return sum(c.bytes_per_rank for c in self.collectives if c.kind is ALL_REDUCE)
 
     def breakdown(self) -> str:
         """e.g. ``'6 AG (4 fwd + 2 bwd) + 4 RS'``."""

@@ -1,5 +1,7 @@
 """Stage 2, shard: put the plan into the module and the prologue.
 
+- :mod:`~fsdp_pass.shard.mesh`: takes ``FSDP(process_group=..., mesh=...)``, gives the groups that shard and
+  (HSDP) replicate;
 - :mod:`~fsdp_pass.shard.module`: takes the ThunderModule, gives it this rank's dim-0 shards as parameters
   (once, when the transform is applied);
 - :mod:`~fsdp_pass.shard.prologue`: takes the prologue trace, gives one that checks the shards' shapes;

@@ -1,6 +1,6 @@
 """Shard a ThunderModule's parameters in place of the originals (the transform's module step).
 
-``shard_module(thunder_module, group, strategy, device, broadcast_from, release, offload_to) -> ShardedModel``
+``shard_module(thunder_module, groups, strategy, device, broadcast_from, release, offload_to) -> ShardedModel``
 
 1. Check the input: a process group, parameters on one device.
 2. Name every parameter, with tied names pointing at the first name of their tensor.
@@ -24,6 +24,7 @@ from fsdp_pass.errors import check, fail
 from fsdp_pass.plan.layout import ShardLayout, shard_tensor
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, Strategy
+from fsdp_pass.shard.mesh import RankGroups, resolve_groups
 
 
 def resolve_device(module: torch.nn.Module, device) -> torch.device:
@@ -71,11 +72,16 @@ class ShardedModel:
     The functional (tutorial) path makes one from a trace alone: no devices, a flat tree."""
 
     sharding: ShardingPlan
-    group: object  # the torch.distributed ProcessGroup the parameters are sharded over
+    groups: RankGroups  # the process groups: the shard group, and with HSDP the replicate group
     tree: ModuleTree | None = None  # the module tree the unit policy reads (None: every parameter under the root)
     device: torch.device | None = None  # where the step computes
     shard_device: torch.device | None = None  # where the shards live between uses: offload_to, else device
     placed_on: torch.device | None = None  # where the shard tensors are: shard_device, or meta in a dry run
+
+    @property
+    def group(self):
+        """The torch.distributed ProcessGroup the parameters are sharded over."""
+        return self.groups.shard
 
 
 def sharding_plan(thunder_module, group, strategy: Strategy) -> ShardingPlan:
@@ -92,13 +98,14 @@ def sharding_plan(thunder_module, group, strategy: Strategy) -> ShardingPlan:
 def _check_broadcast_source(broadcast_from, world_size: int) -> None:
     check(
         broadcast_from is None or 0 <= broadcast_from < world_size,
-        f"broadcast_from={broadcast_from} is not a rank of the process group (world size {world_size}).",
+        f"broadcast_from={broadcast_from} is not a rank of the model's ranks (world size {world_size}).",
         f"Pass a rank in 0..{world_size - 1}, or None to keep each rank's own initial weights.",
     )
 
 
 def _replicate_buffers(thunder_module, group, device, broadcast_from) -> None:
-    """Buffers stay whole on every rank: moved to ``device`` (and taken from ``broadcast_from``)."""
+    """Buffers stay whole on every rank: moved to ``device`` (and taken from rank ``broadcast_from`` of ``group``,
+    every rank of the model)."""
     shared = thunder_module._get_shared_names()
     for name, b in list(thunder_module.named_buffers()):
         moved = b.to(device, copy=broadcast_from is not None)
@@ -110,7 +117,8 @@ def _replicate_buffers(thunder_module, group, device, broadcast_from) -> None:
 
 
 def _shard_parameters(thunder_module, sharding: ShardingPlan, group, device, shard_device, broadcast_from, release):
-    """Each parameter replaced, under every name sharing it, by this rank's shard."""
+    """Each parameter replaced, under every name sharing it, by this rank's shard (the whole parameter taken from
+    rank ``broadcast_from`` of ``group``, every rank of the model, first)."""
     shared = thunder_module._get_shared_names()
     for spec in sharding.owners():
         full = thunder_module.get_parameter(spec.name).detach().to(device, copy=broadcast_from is not None)
@@ -125,9 +133,10 @@ def _shard_parameters(thunder_module, sharding: ShardingPlan, group, device, sha
 
 
 def shard_module(
-    thunder_module, group, strategy: Strategy, device, broadcast_from, release_originals: bool, offload_to=None
+    thunder_module, groups: RankGroups, strategy: Strategy, device, broadcast_from, release_originals: bool,
+    offload_to=None,
 ) -> ShardedModel:
-    """Shard ``thunder_module``'s parameters over ``group`` (steps 3-6 of the module docstring)."""
+    """Shard ``thunder_module``'s parameters over ``groups.shard`` (steps 3-6 of the module docstring)."""
     original = thunder_module._model
     device = resolve_device(original, device)
     shard_device = device if offload_to is None else torch.device(offload_to)
@@ -137,14 +146,15 @@ def shard_module(
         thunder_module._overrides_parameters.update(original.named_parameters(remove_duplicate=False))
         thunder_module._overrides_buffers.update(original.named_buffers(remove_duplicate=False))
     tree = ModuleTree.of(original)
-    sharding = sharding_plan(thunder_module, group, strategy)
-    _check_broadcast_source(broadcast_from, sharding.world_size)
+    sharding = sharding_plan(thunder_module, groups.shard, strategy)
+    everyone = groups.everyone
+    _check_broadcast_source(broadcast_from, dist.get_world_size(everyone))
     with torch.no_grad():
-        _replicate_buffers(thunder_module, group, device, broadcast_from)
+        _replicate_buffers(thunder_module, everyone, device, broadcast_from)
         # a dry run (meta device) allocates nothing, offloaded or not; its traces still show the copies
         placed_on = device if device.type == "meta" else shard_device
-        _shard_parameters(thunder_module, sharding, group, device, placed_on, broadcast_from, release_originals)
-    return ShardedModel(sharding, group, tree, device, shard_device, placed_on)
+        _shard_parameters(thunder_module, sharding, everyone, device, placed_on, broadcast_from, release_originals)
+    return ShardedModel(sharding, groups, tree, device, shard_device, placed_on)
 
 
 def place_shard(shard: torch.Tensor, shard_device: torch.device, device: torch.device) -> torch.Tensor:
@@ -170,7 +180,8 @@ def _release(original: torch.nn.Module, names, device: torch.device) -> None:
         sub.register_parameter(attr, meta)
 
 
-def check_process_group(process_group):
+def check_process_group(process_group=None, mesh=None) -> RankGroups:
+    """The groups of ``FSDP(process_group=..., mesh=...)``, once a process group is initialized."""
     check(
         dist.is_available() and dist.is_initialized(),
         "FSDP needs an initialized torch.distributed process group, and none is initialized.",
@@ -178,7 +189,7 @@ def check_process_group(process_group):
         "init_process_group(backend='gloo') on CPU, 'nccl' on CUDA). To build traces in one process at any "
         "world size use fsdp_pass.fake_process_group(world_size).",
     )
-    return process_group if process_group is not None else dist.group.WORLD
+    return resolve_groups(process_group, mesh)
 
 
 def check_not_sharded_yet(thunder_module) -> None:

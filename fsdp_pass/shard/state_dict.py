@@ -68,7 +68,7 @@ def model_state_dict(
     for name in persistent_buffer_names(jm._model):
         buffer = jm.get_buffer(name).detach()
         out[name] = buffer.cpu() if cpu_offload else buffer
-    if full and cpu_offload and dist.get_rank(sharded.group) != 0:
+    if full and cpu_offload and dist.get_rank(sharded.groups.everyone) != 0:
         return {}
     return out
 
@@ -168,16 +168,17 @@ def load_model_state_dict(
     ignore_frozen: bool = False,
     broadcast: bool = False,
 ) -> None:
-    group, rank = sharded.group, dist.get_rank(sharded.group)
-    reads = not broadcast or rank == 0  # with broadcast, only rank 0 holds the state dict
+    group, rank = sharded.group, sharded.sharding.rank  # the shard group, and this rank's place in it
+    everyone = sharded.groups.everyone  # HSDP: with broadcast, rank 0 of every rank holds the state dict
+    reads = not broadcast or dist.get_rank(everyone) == 0
     problem = (
         load_problems(jm, sharded, state_dict, form=form, strict=strict, ignore_frozen=ignore_frozen) if reads else None
     )
-    check_on_all_ranks(problem, LOAD_TODO, group)
+    check_on_all_ranks(problem, LOAD_TODO, everyone)
     present = [None]
     if broadcast:  # the other ranks learn which keys rank 0 holds
-        present = [sorted(state_dict)] if rank == 0 else [None]
-        dist.broadcast_object_list(present, src=dist.get_global_rank(group, 0), group=group)
+        present = [sorted(state_dict)] if reads else [None]
+        dist.broadcast_object_list(present, src=dist.get_global_rank(everyone, 0), group=everyone)
     keys = set(present[0]) if broadcast else set(state_dict)
     with torch.no_grad():
         for spec in _specs(sharded, ignore_frozen):
@@ -187,7 +188,7 @@ def load_model_state_dict(
                 continue
             param = jm.get_parameter(spec.shard_of)
             if broadcast:
-                value = _broadcast(state_dict.get(spec.name), spec.layout.shape, param, group)
+                value = _broadcast(state_dict.get(spec.name), spec.layout.shape, param, everyone)
             else:
                 value = state_dict[spec.name]
                 if isinstance(value, DTensor) and value.to_local().data_ptr() == param.data_ptr():
@@ -197,7 +198,7 @@ def load_model_state_dict(
             if name in keys:
                 buffer = jm.get_buffer(name)
                 value = (
-                    _broadcast(state_dict.get(name), tuple(buffer.shape), buffer, group)
+                    _broadcast(state_dict.get(name), tuple(buffer.shape), buffer, everyone)
                     if broadcast
                     else state_dict[name]
                 )

@@ -81,7 +81,7 @@ def save_checkpoint(directory, jm, optimizers, *, step: int, extra=None, keep: i
         f"keep={keep!r} keeps no checkpoint.",
         "Pass None (keep all) or an int >= 1.",
     )
-    directory, group = Path(directory), arrived(jm, "save_checkpoint()").group
+    directory, group = Path(directory), arrived(jm, "save_checkpoint()").groups.everyone
     partial, final = partial_folder(directory, step), step_folder(directory, step)
     _on_rank0(group, lambda: (shutil.rmtree(partial, ignore_errors=True), directory.mkdir(parents=True, exist_ok=True)))
     model_sd, optim_sd = get_state_dict(jm, optimizers)
@@ -121,7 +121,7 @@ def save_checkpoint(directory, jm, optimizers, *, step: int, extra=None, keep: i
 
 
 def load_checkpoint(directory, jm, optimizers) -> Resumed | None:
-    group = arrived(jm, "load_checkpoint()").group
+    group = arrived(jm, "load_checkpoint()").groups.everyone
     found = complete_checkpoints(directory)
     # every rank must agree on which checkpoint it reads (a folder seen late on one rank would split them)
     newest = [str(found[-1][1]) if found else None]

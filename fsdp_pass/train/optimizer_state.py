@@ -117,7 +117,7 @@ def optimizer_state_dict(jm, sharded: ShardedModel, optimizers, *, full=False, c
                         value = value.cpu()
                     entry[key] = value
                 state[spec.name] = entry
-    if full and cpu_offload and dist.get_rank(group) != 0:
+    if full and cpu_offload and dist.get_rank(sharded.groups.everyone) != 0:
         return {}
     return {STATE: state, GROUPS: groups}
 
@@ -167,13 +167,14 @@ def load_problems(jm, sharded: ShardedModel, optimizers, state_dict: dict, form:
 def load_optimizer_state_dict(
     jm, sharded: ShardedModel, optimizers, state_dict, *, form="any", broadcast=False
 ) -> None:
-    group, rank = sharded.group, dist.get_rank(sharded.group)
+    group, rank = sharded.group, sharded.sharding.rank
     optimizers = as_list(optimizers)
     for optimizer in optimizers:
         init_state(optimizer)
-    reads = not broadcast or rank == 0  # with broadcast, only rank 0 holds the (full) state dict
+    # with broadcast, only rank 0 (of every rank of the model) holds the (full) state dict
+    reads = not broadcast or dist.get_rank(sharded.groups.everyone) == 0
     problem = load_problems(jm, sharded, optimizers, state_dict, form) if reads else None
-    check_on_all_ranks(problem, TODO, group)
+    check_on_all_ranks(problem, TODO, sharded.groups.everyone)
     specs = {}  # id(parameter) -> spec, over all optimizers
     templates = {}  # name -> the optimizer's own (fresh) state of that parameter: which entries are shard-shaped
     for optimizer in optimizers:
@@ -218,8 +219,8 @@ def _broadcast_and_cut(state_dict, cut, known, sharded: ShardedModel) -> dict:
     """Rank 0's state dict on every rank: its structure as one object, then each tensor broadcast and cut to
     this rank's shard at once (no rank holds more than one full tensor at a time). ``known(name)``: whether
     one of the optimizers holds that parameter (others are skipped, as the unbroadcast path ignores them)."""
-    group, rank = sharded.group, dist.get_rank(sharded.group)
-    src = dist.get_global_rank(group, 0)
+    group = sharded.groups.everyone  # HSDP: rank 0 of every rank of the model, not of each shard group
+    rank, src = dist.get_rank(group), dist.get_global_rank(group, 0)
 
     def slot(v):
         return _TensorSlot(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v
