@@ -6,8 +6,9 @@ reduced shard over its replicas) and ``wait``; in a printed execution trace they
 
 1. Issue (``fsdp_all_gather`` / ``fsdp_reduce_scatter`` / ``fsdp_all_reduce``): allocate the output where the
    input lives (an all-reduce asked to skip the clone sums in place), start the collective with
-   ``async_op=True`` and return an :class:`InFlight`: the work handle, the output, and the input. The trace's ``del`` of the input after the issue then frees nothing: the
-   handle keeps every buffer the collective reads or writes alive until its wait.
+   ``async_op=True`` and return an :class:`InFlight`: the work handle, the output, and the input. The
+   trace's ``del`` of the input after the issue then frees nothing: the handle keeps every buffer the
+   collective reads or writes alive until its wait.
 2. On CUDA the collective is issued on one dedicated communication stream per device, after that
    stream waits for the compute stream (an event between the streams), so the input is complete.
    Both buffers were allocated by the compute stream, and are released only after step 3 made the
