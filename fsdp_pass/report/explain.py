@@ -292,8 +292,8 @@ class Explanation:
         if g is None or not g.buffers:
             return []
         flat, cut = g.flat_buffers, g.cut_out
-        flat_units = sorted({self.memory.unit_of_collective.get(b.name, "?") for b in flat})
-        cut_units = sorted({b.unit or "?" for b in cut})
+        flat_units = _bytes_by_unit(flat, lambda b: self.memory.unit_of_collective.get(b.name, "?"))
+        cut_units = _bytes_by_unit(cut, lambda b: b.unit or "?")
         parts = []
         padded = any(u.padding for u in self.units)
         if flat:
@@ -328,8 +328,22 @@ _KIND_LINES = (
 )
 
 
-def _units(names: list[str]) -> str:
-    return f"unit {names[0]!r}" if len(names) == 1 else f"{len(names)} units: " + ", ".join(map(repr, names))
+def _bytes_by_unit(buffers, unit_of) -> list[tuple[str, int]]:
+    """(unit, bytes) of ``buffers``, the most bytes first."""
+    by_unit: dict[str, int] = {}
+    for b in buffers:
+        by_unit[unit_of(b)] = by_unit.get(unit_of(b), 0) + b.nbytes
+    return sorted(by_unit.items(), key=lambda item: -item[1])
+
+
+def _units(by_unit: list[tuple[str, int]], shown: int = 3) -> str:
+    """``unit 'a'``, or ``3 units: 'a' 2.0 MiB, 'b' 1.0 MiB, 'c' 1.0 KiB``, naming the ``shown`` largest."""
+    if len(by_unit) == 1:
+        return f"unit {by_unit[0][0]!r}"
+    named = ", ".join(f"{name!r} {human_bytes(n)}" for name, n in by_unit[:shown])
+    rest = by_unit[shown:]
+    more = f", {len(rest)} more {human_bytes(sum(n for _, n in rest))}" if rest else ""
+    return f"{len(by_unit)} units: {named}{more}"
 
 
 def _collective_cell(collectives: tuple[CollectiveOverlap, ...]) -> str:
