@@ -24,8 +24,9 @@ The gloo worker-thread events are still used for one thing: how long collectives
 it includes waiting for the peer, and overlaps compute where a system overlaps communication).
 
 Ring cost model, per rank, N ranks: an all-gather or reduce-scatter of a full buffer of S bytes costs
-(N-1)/N * S, an all-reduce 2(N-1)/N * S. N is the world size (every system here uses groups spanning
-all ranks).
+(N-1)/N * S, an all-reduce 2(N-1)/N * S. N is the size of the group the kind runs on: the world size,
+except for HSDP rows, whose gathers and reduce-scatters run in the shard group and whose all-reduces run
+over the replicate group (``group_sizes``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class StepComms:
     """What one rank communicated during one profiled step."""
 
     world_size: int
+    group_sizes: dict = field(default_factory=dict)  # kind -> ranks of the group it runs on (default: the world)
     count: Counter = field(default_factory=Counter)  # kind -> number of collectives
     full_bytes: Counter = field(default_factory=Counter)  # kind -> sum of full-buffer sizes S
     gloo_ms: float = 0.0  # wall time with at least one collective running in a gloo worker thread
@@ -101,14 +103,17 @@ class StepComms:
     def total(self) -> int:
         return sum(self.count.values())
 
+    def ranks(self, kind: str) -> int:
+        return self.group_sizes.get(kind, self.world_size)
+
+    def kind_bytes(self, kind: str) -> float:
+        """Bytes this rank sends for the collectives of ``kind`` in the ring model."""
+        n = self.ranks(kind)
+        return (n - 1) / n * self.full_bytes[kind] * (2 if kind == ALL_REDUCE else 1)
+
     def ring_bytes(self) -> float:
         """Bytes this rank sends in the ring model."""
-        n = self.world_size
-        f = (n - 1) / n
-        return (
-            f * (self.full_bytes[ALL_GATHER] + self.full_bytes[REDUCE_SCATTER] + self.full_bytes["other"])
-            + 2 * f * self.full_bytes[ALL_REDUCE]
-        )
+        return sum(self.kind_bytes(k) for k in KINDS)
 
     def breakdown(self) -> str:
         parts = [f"{self.count[k]} {SHORT[k]}" for k in KINDS if self.count[k]]
@@ -121,6 +126,7 @@ class StepComms:
             "count": dict(self.count),
             "full_bytes": dict(self.full_bytes),
             "ring_bytes": self.ring_bytes(),
+            "all_reduce_bytes": self.kind_bytes(ALL_REDUCE),
             "gloo_ms": self.gloo_ms,
             "gloo_events": self.gloo_events,
             "unknown_size": self.unknown_size,
@@ -150,8 +156,10 @@ def _union_length(intervals) -> float:
     return total
 
 
-def comms_from_chrome_trace(trace: dict, world_size: int, default_elem_bytes: int = 4) -> StepComms:
-    out = StepComms(world_size)
+def comms_from_chrome_trace(
+    trace: dict, world_size: int, default_elem_bytes: int = 4, group_sizes: dict | None = None
+) -> StepComms:
+    out = StepComms(world_size, dict(group_sizes or {}))
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     # element sizes the backend saw, by element count: tensor lists carry no dtype at the c10d level
     gloo_bytes_per_elem: dict[int, int] = {}
@@ -189,15 +197,17 @@ def comms_from_chrome_trace(trace: dict, world_size: int, default_elem_bytes: in
             continue
         t = types[arg] if arg < len(types) else None
         eb = _DTYPE_BYTES.get(t) or gloo_bytes_per_elem.get(numel, default_elem_bytes)
-        out.full_bytes[kind] += numel * eb * (world_size if times_n else 1)
+        out.full_bytes[kind] += numel * eb * (out.ranks(kind) if times_n else 1)
     return out
 
 
 class CommsProfiler:
-    """``with CommsProfiler(world_size) as cp: step()`` then ``cp.result`` (a :class:`StepComms`)."""
+    """``with CommsProfiler(world_size) as cp: step()`` then ``cp.result`` (a :class:`StepComms`); ``group_sizes``:
+    kind -> the ranks of the group it runs on, where not the world (HSDP)."""
 
-    def __init__(self, world_size: int, keep_trace: str | None = None):
+    def __init__(self, world_size: int, keep_trace: str | None = None, group_sizes: dict | None = None):
         self.world_size = world_size
+        self.group_sizes = group_sizes
         self.keep_trace = keep_trace
         self.result: StepComms | None = None
 
@@ -223,5 +233,5 @@ class CommsProfiler:
         finally:
             if os.path.exists(path):
                 os.remove(path)
-        self.result = comms_from_chrome_trace(trace, self.world_size)
+        self.result = comms_from_chrome_trace(trace, self.world_size, group_sizes=self.group_sizes)
         return False

@@ -34,6 +34,7 @@ from fsdp_pass_executors import executors_for
 
 from bench.model import loss_fn
 from fsdp_pass import FSDP, BySize, Schedule, no_sync
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.report.step_stats import step_stats
 
@@ -121,6 +122,14 @@ class System:
     sharding: str  # "none", "replicated", "zero2", "zero3": what the row is (not used for the floor)
     extra_stats: Callable[[Trainer], dict] | None = None
     note: str | None = None  # printed under the table
+    replicas: int = 1  # HSDP: copies of the model (gathers and reduce-scatters in groups of world / replicas)
+
+    def group_sizes(self, world: int) -> dict:
+        """Kind -> ranks of the group it runs on, where that is not the world (HSDP)."""
+        if self.replicas == 1:
+            return {}
+        shard = world // self.replicas
+        return {ALL_GATHER: shard, REDUCE_SCATTER: shard, ALL_REDUCE: self.replicas}
 
 
 def thunder_executors(which: str = "ours"):
@@ -160,6 +169,37 @@ def _fsdp2(model: nn.Module, reshard_after_forward: bool) -> Trainer:
     root_kwargs = {} if reshard_after_forward else {"reshard_after_forward": False}
     fully_shard(model, mesh=mesh, **root_kwargs)
     return Trainer(model)
+
+
+HSDP_REPLICAS = 2
+
+
+def hsdp_mesh():
+    """(2 replicas) x (world / 2 ranks per shard group): HSDP's mesh on this machine's ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % HSDP_REPLICAS or world < 2 * HSDP_REPLICAS:
+        raise ValueError(f"HSDP rows need a world size that is a multiple of {HSDP_REPLICAS}, at least 4: --world 4")
+    return init_device_mesh("cpu", (HSDP_REPLICAS, world // HSDP_REPLICAS), mesh_dim_names=("replicate", "shard"))
+
+
+def build_fsdp2_hsdp(model: nn.Module) -> Trainer:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = hsdp_mesh()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return Trainer(model)
+
+
+def build_ours_hsdp(model: nn.Module) -> Trainer:
+    import thunder
+
+    transform = FSDP("zero3", mesh=hsdp_mesh())
+    jm = thunder.jit(model, transforms=[transform], executors=thunder_executors("ours"))
+    return Trainer(jm, transform=transform)
 
 
 def build_fsdp2(model: nn.Module) -> Trainer:
@@ -251,6 +291,13 @@ def all_systems() -> list[System]:
     systems += [
         System(name, ours_builder(*config), config[0], extra_stats=trace_stats, note=OURS_NOTES.get(name))
         for name, *config in OURS_CONFIGS
+    ]
+    hsdp = f"{HSDP_REPLICAS} replicas x world/{HSDP_REPLICAS} ranks per shard group; needs --world 4 or more"
+    systems += [
+        System("fsdp2 hsdp", build_fsdp2_hsdp, "zero3", replicas=HSDP_REPLICAS,
+               note=f"fsdp2 hsdp: fully_shard on a 2-D mesh ({hsdp}); default resharding"),
+        System("ours zero3 hsdp", build_ours_hsdp, "zero3", extra_stats=trace_stats, replicas=HSDP_REPLICAS,
+               note=f"ours zero3 hsdp: FSDP('zero3', mesh=2-D mesh) ({hsdp}), blocks, prefetch 1"),
     ]
     return systems
 

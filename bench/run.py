@@ -39,6 +39,8 @@ Columns:
   loss           mean over ranks of the loss at the last timed step (the same data and init for
                  every system, so sharded systems should agree with each other and with ddp)
   peak unsharded MB  gathered parameters alive at once at most, read off the final traces (Thunder rows)
+  replicate MB/rank  HSDP rows: of MB/rank, what the all-reduces over the replicate group send (what would
+                 cross nodes); the rest runs in the shard groups
   step peak MB   rank 0, measured (``fsdp_pass.report.measure``): bytes a whole training step (forward,
                  backward, optimizer) allocates above what lives before it; the process group's own
                  scratch copies are not counted
@@ -68,6 +70,7 @@ from bench.collectives import CommsProfiler
 from bench.model import Config, build_model, make_batch, param_count
 from bench.peers import EXTRA_COLUMNS, all_systems, select
 from fsdp_pass.groups import free_port
+from fsdp_pass.op_names import ALL_REDUCE
 from fsdp_pass.report.measure import allocated_during
 
 BYTES_PER_PARAM = 4  # fp32
@@ -211,10 +214,12 @@ def run_system(index: int, system, args, coord: Coordinator) -> dict:
         res["wait_ms"] = WAIT_CLOCK.seconds / args.steps * 1000 if WAIT_CLOCK.waits else None
         idx, tgt = batch()
         dist.barrier()
-        with CommsProfiler(world) as cp:
+        with CommsProfiler(world, group_sizes=system.group_sizes(world)) as cp:
             trainer.step(idx, tgt)
         res["comms"] = cp.result.as_dict()
         res["extra"] = dict(system.extra_stats(trainer)) if system.extra_stats else {}
+        if system.replicas > 1:  # HSDP: what crosses the replicate group (across nodes)
+            res["extra"]["replicate MB/rank"] = f"{cp.result.kind_bytes(ALL_REDUCE) / 1e6:.3f}"
         idx, tgt = batch()
         dist.barrier()
         allocated = allocated_during(lambda: trainer.step(idx, tgt))
