@@ -9,7 +9,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_pass import FSDP, FSDPError, MixedPrecision, fake_process_group
+from fsdp_pass.op_names import ALL_REDUCE, REDUCE_SCATTER
 from tests import hsdp_cases, models
+from tests.dry_runs import model_dry_run
 from tests.test_distributed_checkpoint import _check_resumed_elsewhere, _check_same_world_resume, same_nested
 
 TOL = 1e-5  # relative, float32
@@ -132,3 +134,22 @@ def test_bad_meshes_fail_with_what_to_do():
         for fsdp, message in cases:
             with pytest.raises(FSDPError, match=message):
                 thunder.jit(models.build("mlp"), transforms=[fsdp])
+
+
+def test_hsdp_dry_run_is_fsdp_over_the_shard_group_plus_the_all_reduces():
+    """One process, a fake group of 4 as 2 x 2, against FSDP over 2 ranks (test_explain's dry run): the same
+    shards, step peak (the all-reduce sums the reduced shard in place) and shard-group bytes, plus one
+    all-reduce per reduce-scatter that sends, over 2 replicas, 2(R-1)/R of the shard: the reduce-scatter's
+    buffer / 2."""
+    hsdp = model_dry_run(4, "zero3", mesh=(2, 2)).explanation
+    flat = model_dry_run(2, "zero3").explanation
+    assert hsdp.memory.sharded_params == flat.memory.sharded_params
+    assert hsdp.memory.step.peak_bytes == flat.memory.step.peak_bytes
+    reduce_scatters = [c for c in hsdp.stats.collectives if c.kind is REDUCE_SCATTER]
+    all_reduces = [c for c in hsdp.stats.collectives if c.kind is ALL_REDUCE]
+    assert len(all_reduces) == len(reduce_scatters) > 0
+    assert {c.group_size for c in all_reduces} == {2} and {c.group_size for c in reduce_scatters} == {2}
+    assert hsdp.stats.replicate_bytes_per_rank == sum(c.full_bytes for c in reduce_scatters) / 2
+    assert hsdp.stats.bytes_per_rank - hsdp.stats.replicate_bytes_per_rank == flat.stats.bytes_per_rank
+    text = str(hsdp)
+    assert "HSDP: 2 replicas x a shard group of 2 ranks" in text and "over the replicate group (2 ranks" in text

@@ -193,9 +193,13 @@ class _Buffers:
                 self.share(o.name, self.buffer_of[srcs[0].name], self.contiguous[srcs[0].name])
 
     def collective(self, b, i: int) -> None:
-        """Writes its result buffer when issued; its future keeps the send buffer alive until the wait."""
-        self.new(b.output, i, b, GATHERED if is_all_gather(b) else GRAD_SHARDS)
+        """Writes its result buffer when issued; its future keeps the send buffer alive until the wait. An
+        all-reduce that skips its clone (HSDP's, of a reduced shard) sums in place: its result is its input."""
         send = b.flat_proxy_args[0]
+        if is_all_reduce(b) and b.args[4] and send.name in self.buffer_of:
+            self.share(b.output.name, self.buffer_of[send.name], self.contiguous[send.name])
+            return
+        self.new(b.output, i, b, GATHERED if is_all_gather(b) else GRAD_SHARDS)
         if send.name in self.buffer_of:
             self.held_by_future[b.output.name] = self.buffer_of[send.name]
 
