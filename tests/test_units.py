@@ -8,21 +8,15 @@ padding, exactly.
 import pytest
 import thunder
 import torch
-import torch.nn as nn
 from fsdp_pass_executors import executors_for
+from torch import nn
 
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
-from fsdp_pass.functional import functional_trace, shard_functional_trace
-from fsdp_pass.report.step_stats import floor_bytes, step_stats
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
+from fsdp_pass.report.step_stats import floor_bytes, step_stats
 from tests import llama_steps, models
-from tests.llama_steps import LAYERS, WORLD, llama
+from tests.llama_steps import LAYERS, WORLD, functional_plan, functional_step, shared_functional_trace
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
-
-
-def compile_step(model, strategy, **fsdp_kwargs):
-    fwd, bwd, fsdp = llama_steps.compile_step(strategy, model=model, **fsdp_kwargs)
-    return fwd, bwd, fsdp.unit_plan
 
 
 def _shared(strategy):
@@ -32,10 +26,12 @@ def _shared(strategy):
 
 @pytest.fixture(scope="module")
 def compiled():
+    """config -> (forward, backward, UnitPlan): the shared ZeRO-2 and ZeRO-3 steps (tests/llama_steps.py, compiled
+    once per session), and ZeRO-3 with every unit resharded, made from the shared functional trace."""
     return {
         "zero2": _shared("zero2"),
         "zero3": _shared("zero3"),
-        "zero3_all": compile_step(llama(), "zero3", reshard_after_forward=True),
+        "zero3_all": functional_step("zero3", reshard_after_forward=True),
     }
 
 
@@ -94,8 +90,8 @@ def test_bytes_per_step_are_the_floor_plus_padding(compiled):
 
 
 def test_explicit_non_adjacent_unit_and_the_rest_by_default():
-    model = llama()
-    fwd, _, plan = compile_step(model, "zero3", units=[[model.embed, model.norm]])
+    model = shared_functional_trace()[0]  # unit items are modules of the traced model
+    fwd, _, plan = functional_step("zero3", units=[[model.embed, model.norm]])
     names = [u.name for u in plan.units]
     assert names == ["embed+norm", *(f"layers.{i}" for i in range(LAYERS)), "lm_head"]
     assert plan.units[0].params == ("embed.weight", "norm.weight")
@@ -104,17 +100,16 @@ def test_explicit_non_adjacent_unit_and_the_rest_by_default():
 
 
 def test_class_and_glob_items():
-    model = llama()
-    _, _, by_class = compile_step(model, "zero2", units=Groups(models.CausalSelfAttention))
+    by_class = functional_plan("zero2", units=Groups(models.CausalSelfAttention))
     assert [u.name for u in by_class.units][:3] == ["embed", "layers.0", "layers.0.attn"]  # norm1 runs first
-    _, _, by_glob = compile_step(llama(), "zero2", units=["layers.*.attn"])
+    by_glob = functional_plan("zero2", units=["layers.*.attn"])
     assert [u.name for u in by_glob.units] == [u.name for u in by_class.units]
 
 
 def test_by_size_merges_consecutive_units_up_to_the_budget():
     plan_blocks = _shared("zero2")[2]
     block_bytes = plan_blocks.unit_numel(plan_blocks.units[1])[0] * 4
-    fwd, bwd, plan = compile_step(llama(), "zero2", units=BySize(2 * block_bytes + 1))
+    fwd, bwd, plan = functional_step("zero2", units=BySize(2 * block_bytes + 1))
     assert "layers.0..layers.1" in [u.name for u in plan.units] or "embed..layers.0" in [u.name for u in plan.units]
     assert all(plan.unit_numel(u)[0] * 4 <= 2 * block_bytes + 1 or len(u.params) == 1 for u in plan.units)
     assert len(plan.units) < len(plan_blocks.units)
@@ -152,20 +147,15 @@ def test_a_unit_mixing_dtypes_is_split_and_the_plan_says_so():
         ([42], "Cannot read 42 as a unit"),
     ],
 )
-def test_bad_unit_specs_fail_with_a_clear_message(llama_functional_trace, units, message):
-    """Planned on the functional trace (the plan stage the transform runs too, without compiling again)."""
-    model, prologue, trace = llama_functional_trace
-    with fake_process_group(WORLD) as group, pytest.raises(FSDPError, match=message):
-        shard_functional_trace(prologue, trace, group, "zero2", units=units, model=model)
+def test_bad_unit_specs_fail_with_a_clear_message(units, message):
+    """Planned on the shared functional trace (the plan stage the transform runs too, without compiling again)."""
+    with pytest.raises(FSDPError, match=message):
+        functional_plan("zero2", units=units)
 
 
 def test_a_bad_unit_spec_fails_the_compile_with_a_clear_message():
-    with pytest.raises(FSDPError, match="matches no module or parameter"):
-        compile_step(llama(), "zero2", units=["no_such_module"])
-
-
-@pytest.fixture(scope="module")
-def llama_functional_trace():
-    model = llama()
-    x, _ = models.batch("llama_gqa", 2, 0)
-    return (model, *functional_trace(model, x))
+    """thunder.jit's step raises it too (a small model: only the failure matters here)."""
+    with fake_process_group(WORLD), pytest.raises(FSDPError, match="matches no module or parameter"):
+        transform = FSDP("zero2", units=["no_such_module"])
+        jm = thunder.jit(models.build("mlp"), transforms=[transform], executors=executors_for("cpu"))
+        jm(models.batch("mlp", 2, 0)[0])
