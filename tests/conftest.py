@@ -1,6 +1,6 @@
 import pytest
 
-from tests.rank_pool import RankPool
+from tests.rank_pool import RankPool, shutdown_all
 
 _pools: dict[int, RankPool] = {}
 
@@ -16,5 +16,4 @@ def get_pool(world_size: int) -> RankPool:
 def ranks():
     """``ranks(world_size)`` -> a persistent gloo RankPool of that size (restarted if it was killed)."""
     yield get_pool
-    for pool in _pools.values():
-        pool.shutdown()
+    shutdown_all(_pools.values())

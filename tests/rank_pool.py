@@ -45,6 +45,9 @@ def _worker(rank, world_size, port, jobs, results, collective_timeout_s):
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # every result this rank put is in the pipe
+    os._exit(0)  # no interpreter teardown: with Thunder loaded it takes seconds, and there is nothing left to do
 
 
 class RankPool:
@@ -97,15 +100,20 @@ class RankPool:
         return [got[r][1] for r in range(self.world_size)]
 
     def shutdown(self, kill: bool = False):
-        if not self.alive:
-            return
-        self.alive = False
-        for p, q in zip(self.procs, self.jobs):
+        shutdown_all([self], kill)
+
+
+def shutdown_all(pools, kill: bool = False):
+    """Stop the ranks of every pool, then wait for them: the pools stop side by side."""
+    live = [pool for pool in pools if pool.alive]
+    for pool in live:
+        pool.alive = False
+        for p, q in zip(pool.procs, pool.jobs):
             if kill:
                 p.kill()
             else:
                 q.put(None)
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    for p in (p for pool in live for p in pool.procs):
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
