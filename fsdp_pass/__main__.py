@@ -3,6 +3,7 @@
     python -m fsdp_pass explain --world-size 64 --strategy zero3 --model llama2-7b --out dry_run/
     python -m fsdp_pass explain --world-size 8 --model hf:path/to/Llama-3.2-1B/config.json --seq 2048
     python -m fsdp_pass explain --mesh 8x64 --strategy zero3 --model llama2-7b --layers 4   # HSDP
+    python -m fsdp_pass probe --local-ranks 2    # a collective's latency and bandwidth, a matmul's rate
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
 peak memory per rank, and writes the forward and backward traces to ``--out``. ``--model`` takes what
@@ -17,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from fsdp_pass import zoo
+from fsdp_pass import probe, zoo
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.model_spec import FACTORY_FORMS, build_model
 from fsdp_pass.plan.mixed_precision import MixedPrecision
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-sync", action="store_true", help="also show what no_sync() gradient accumulation holds per rank"
     )
     p.add_argument("--out", default=None, help="folder for forward_trace.py, backward_trace.py, explain.txt")
+    probe.add_parser(commands)
     return parser
 
 
@@ -139,7 +141,7 @@ def explain_command(ns) -> int:
 def main(argv=None) -> int:
     ns = _parser().parse_args(argv)
     try:
-        return explain_command(ns)
+        return probe.probe_command(ns) if ns.command == "probe" else explain_command(ns)
     except FSDPError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

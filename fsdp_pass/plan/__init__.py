@@ -7,5 +7,7 @@
   module tree and the functional forward trace, gives a :class:`UnitPlan`);
 - :mod:`~fsdp_pass.plan.trace_arguments`: which trace arguments are which parameters;
 - :mod:`~fsdp_pass.plan.schedule`, :mod:`~fsdp_pass.plan.mixed_precision`: the user's settings for when
-  collectives run and in which dtypes.
+  collectives run and in which dtypes;
+- :mod:`~fsdp_pass.plan.cost_model`: what a collective costs (latency and bandwidth, fitted to what
+  :mod:`fsdp_pass.probe` measures) and the device's compute rate.
 """

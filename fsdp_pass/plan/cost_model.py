@@ -1,0 +1,98 @@
+"""What a collective and a unit's compute cost, from named inputs: the α–β model of a link and a device's rate.
+
+``LinkCost(alpha_s, bytes_per_s)``: a collective over a group of N ranks whose full buffer is S bytes takes
+
+    alpha_s + sent(S, N) / bytes_per_s,   sent(S, N) = (N-1)/N * S  (all-gather, reduce-scatter; ring)
+                                                       2(N-1)/N * S (all-reduce: a reduce-scatter, then an
+                                                                     all-gather)
+
+``alpha_s`` is the latency each collective pays whatever its size (why one collective per unit beats one per
+parameter); ``bytes_per_s`` is what a rank sends per second once the collective is large (NCCL calls it the
+bus bandwidth). :func:`fit_link` finds both from measured (bytes sent, seconds) pairs, by least squares on
+that line; :mod:`fsdp_pass.probe` measures them on the user's ranks.
+
+``CostInputs``: the link of the shard group, the device's matmul rate, and where the numbers came from.
+:data:`DEFAULTS` holds two sets, each with its source written next to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_pass.errors import check
+from fsdp_pass.op_names import ALL_REDUCE, CollectiveKind
+
+
+def sent_bytes(full_bytes: float, ranks: int, kind: CollectiveKind) -> float:
+    """What each rank sends for one collective of a full buffer of ``full_bytes`` over ``ranks`` (ring)."""
+    if ranks <= 1:
+        return 0.0
+    return full_bytes * (ranks - 1) / ranks * (2 if kind is ALL_REDUCE else 1)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """The α–β cost of collectives over one kind of link."""
+
+    alpha_s: float  # seconds every collective pays, however small
+    bytes_per_s: float  # bytes each rank sends per second in a large collective
+
+    def seconds(self, full_bytes: float, ranks: int, kind: CollectiveKind) -> float:
+        if ranks <= 1:
+            return 0.0
+        return self.alpha_s + sent_bytes(full_bytes, ranks, kind) / self.bytes_per_s
+
+    def __str__(self) -> str:
+        return f"alpha {self.alpha_s * 1e6:.1f} us, beta {self.bytes_per_s / 1e9:.3g} GB/s"
+
+
+def fit_link(points) -> LinkCost:
+    """The line ``seconds = alpha + sent / beta`` through ``(bytes sent, seconds)`` points (at least two
+    different sizes), fitted by least squares on the *relative* error (each point weighted 1/seconds²), so that
+    the small collectives, where the latency shows, count as much as the large ones, where the bandwidth does.
+    A fitted latency below zero (noise at small sizes) is taken as zero."""
+    xs, ys = zip(*points) if points else ((), ())
+    check(
+        len(set(xs)) >= 2 and min(ys, default=0) > 0,
+        f"fit_link needs positive times at two sizes or more, got {len(set(xs))} size(s).",
+        "Measure collectives of several sizes, e.g. 1 KiB to 16 MiB (fsdp_pass.probe does).",
+    )
+    w = [1.0 / y**2 for y in ys]
+    sw = sum(w)
+    mx, my = sum(wi * x for wi, x in zip(w, xs)) / sw, sum(wi * y for wi, y in zip(w, ys)) / sw
+    spread = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / spread
+    check(
+        slope > 0,
+        "The measured collectives did not take longer as they grew: no bandwidth can be fitted.",
+        "Measure again on an idle machine, with larger sizes (the probe's --max-bytes).",
+    )
+    return LinkCost(max(my - slope * mx, 0.0), 1.0 / slope)
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What the cost of a step is computed from."""
+
+    link: LinkCost  # the shard group's collectives
+    flops_per_s: float  # the device's matmul rate, in the dtype the step computes in
+    source: str  # where the numbers come from
+
+    def compute_seconds(self, flops: float) -> float:
+        return flops / self.flops_per_s
+
+    def __str__(self) -> str:
+        return f"{self.link}; matmul {self.flops_per_s / 1e12:.3g} TFLOP/s ({self.source})"
+
+
+DEFAULTS = {
+    # NVIDIA's H100 SXM datasheet: 989 TFLOP/s dense bf16 (we take 60 %, what large GEMMs reach in
+    # practice); NVLink 4: 900 GB/s per GPU, both directions together, so 450 GB/s each way. nccl-tests report
+    # bus bandwidths near 360 GB/s for large all-gathers within one 8-GPU node. NCCL's latency for a small
+    # collective on NVLink: about 10-20 us.
+    "h100-nvlink": CostInputs(LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests"),
+    # this project's 2-core development machine, 2 gloo ranks on loopback, measured on 2026-11-23 with
+    # `python -m fsdp_pass probe --local-ranks 2` while other jobs shared the cores (load average about 7):
+    # 1 KiB-16 MiB all-gathers fit to alpha 893 us, beta 0.277 GB/s; a 512 x 512 float32 matmul 9 GFLOP/s
+    "cpu-gloo": CostInputs(LinkCost(893e-6, 0.277e9), 9e9, "probe, 2 gloo ranks on the 2-core dev machine, busy"),
+}

@@ -1,0 +1,162 @@
+"""Measure what the cost model needs on the ranks at hand: a collective's latency and bandwidth, a matmul's rate.
+
+    torchrun --nproc_per_node=8 -m fsdp_pass probe     # on the user's ranks (the default process group)
+    python -m fsdp_pass probe --local-ranks 2           # spawns 2 gloo ranks on this machine
+
+1. All-gathers of full buffers from ``min_bytes`` to ``max_bytes`` (powers of 4) over the group: each size
+   ``repeats`` times after one warm-up, every rank starting together (a barrier), the slowest rank's time
+   kept (an all-reduce of the times, MAX), the fastest of the repeats (on a shared host the others measure
+   the neighbours too).
+2. :func:`fsdp_pass.plan.cost_model.fit_link` fits ``seconds = alpha + sent / beta`` to (bytes each rank
+   sent, seconds): the latency every collective pays, the bandwidth large ones reach.
+3. A square float32 matmul on the device, timed: the rate compute runs at.
+
+The result prints as a table of measured against fitted times, so a reader sees how well two numbers
+describe the link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fsdp_pass.groups import free_port, init_local_gloo
+from fsdp_pass.op_names import ALL_GATHER
+from fsdp_pass.plan.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
+from fsdp_pass.text import format_table, human_bytes
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ranks: int
+    points: tuple[tuple[int, float], ...]  # (full buffer bytes, seconds) per size
+    cost: CostInputs
+
+    @property
+    def link(self) -> LinkCost:
+        return self.cost.link
+
+    def __str__(self) -> str:
+        rows = []
+        for full, seconds in self.points:
+            fitted = self.link.seconds(full, self.ranks, ALL_GATHER)
+            rows.append((human_bytes(full), human_bytes(int(sent_bytes(full, self.ranks, ALL_GATHER))),
+                         f"{seconds * 1e3:.3f}", f"{fitted * 1e3:.3f}"))
+        table = format_table(("all-gather of", "sent/rank", "measured ms", "fitted ms"), rows)
+        return "\n".join([
+            f"{self.ranks} ranks: time = alpha + sent/beta with {self.link}",
+            *table,
+            f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
+        ])
+
+
+def _sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def time_all_gathers(group, sizes, repeats: int, device) -> list[tuple[int, float]]:
+    """(full buffer bytes, the fastest repeat of the slowest rank's seconds) per size, float32 buffers."""
+    ranks = dist.get_world_size(group)
+    points = []
+    for full in sizes:
+        part = torch.ones(max(full // 4 // ranks, 1), device=device)
+        out = torch.empty(part.numel() * ranks, device=device)
+        times = []
+        for i in range(repeats + 1):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(out, part, group=group)
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - t0)
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        points.append((out.numel() * 4, min(slowest.tolist())))
+    return points
+
+
+def matmul_flops_per_s(device, n: int = 512, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        a @ b
+        if a.is_cuda:
+            torch.cuda.synchronize(a.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, repeats: int = 5, device=None):
+    """Collective: every rank of ``group`` (the default group if None) calls it. Returns a ProbeResult."""
+    group = group if group is not None else dist.group.WORLD
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    points = time_all_gathers(group, _sizes(min_bytes, max_bytes), repeats, device)
+    ranks = dist.get_world_size(group)
+    link = fit_link([(sent_bytes(full, ranks, ALL_GATHER), s) for full, s in points])
+    where = f"probe: {ranks} ranks, {dist.get_backend(group)}, {device.type}"
+    return ProbeResult(ranks, tuple(points), CostInputs(link, matmul_flops_per_s(device), where))
+
+
+def _local_rank(rank: int, world: int, port: int, kwargs: dict, results) -> None:
+    torch.set_num_threads(1)
+    init_local_gloo(rank, world, port, timeout_s=300)
+    try:
+        result = probe(**kwargs)
+        if rank == 0:
+            results.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def probe_local_ranks(world: int, **kwargs) -> ProbeResult:
+    """:func:`probe` on ``world`` gloo ranks spawned on this machine (one CPU thread each)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_local_rank, args=(r, world, port, kwargs, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = results.get(timeout=600)
+    for p in procs:
+        p.join()
+    return result
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "probe",
+        help="measure collective latency and bandwidth, and a matmul's rate, on these ranks",
+        description="Measure all-gathers of growing size and fit time = alpha + sent/beta; time a matmul.",
+    )
+    p.add_argument("--local-ranks", type=int, default=None, help="spawn this many gloo ranks here (no torchrun)")
+    p.add_argument("--min-bytes", type=int, default=1 << 10)
+    p.add_argument("--max-bytes", type=int, default=16 << 20)
+    p.add_argument("--repeats", type=int, default=5)
+
+
+def probe_command(ns: argparse.Namespace) -> int:
+    kwargs = {"min_bytes": ns.min_bytes, "max_bytes": ns.max_bytes, "repeats": ns.repeats}
+    if ns.local_ranks is not None:
+        print(probe_local_ranks(ns.local_ranks, **kwargs))
+        return 0
+    dist.init_process_group()
+    try:
+        result = probe(**kwargs)
+        if dist.get_rank() == 0:
+            print(result)
+    finally:
+        dist.destroy_process_group()
+    return 0

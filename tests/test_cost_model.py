@@ -1,0 +1,68 @@
+"""The cost model's arithmetic and fit (pure), and the probe that measures its inputs on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fsdp_pass import FSDPError
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from fsdp_pass.plan.cost_model import DEFAULTS, LinkCost, fit_link, sent_bytes
+from fsdp_pass.probe import probe
+
+SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
+
+
+def test_ring_bytes_and_seconds():
+    assert sent_bytes(8000, 8, ALL_GATHER) == sent_bytes(8000, 8, REDUCE_SCATTER) == 7000
+    assert sent_bytes(8000, 8, ALL_REDUCE) == 14000  # a reduce-scatter, then an all-gather
+    assert sent_bytes(8000, 1, ALL_REDUCE) == 0
+    link = LinkCost(alpha_s=20e-6, bytes_per_s=1e9)
+    assert link.seconds(8000, 8, ALL_GATHER) == pytest.approx(20e-6 + 7000 / 1e9)
+    assert link.seconds(8000, 1, ALL_GATHER) == 0.0  # one rank: nothing to send, no collective
+    # many small collectives pay the latency each time: 64 gathers of 8 KiB cost 63 latencies more than one of
+    # 512 KiB (the same bytes)
+    per_parameter = 64 * link.seconds(8 * 1024, 8, ALL_GATHER)
+    assert per_parameter - link.seconds(64 * 8 * 1024, 8, ALL_GATHER) == pytest.approx(63 * link.alpha_s)
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    alpha, beta = 50e-6, 2e9
+    exact = [(s, alpha + s / beta) for s in SIZES]
+    fitted = fit_link(exact)
+    assert fitted.alpha_s == pytest.approx(alpha, rel=1e-6) and fitted.bytes_per_s == pytest.approx(beta, rel=1e-6)
+    rng = random.Random(0)
+    noisy = [(s, t * rng.uniform(0.95, 1.05)) for s, t in exact]  # 5 % noise on every point
+    fitted = fit_link(noisy)
+    assert fitted.alpha_s == pytest.approx(alpha, rel=0.15) and fitted.bytes_per_s == pytest.approx(beta, rel=0.15)
+
+
+def test_fit_refuses_what_it_cannot_fit():
+    with pytest.raises(FSDPError, match="two sizes or more"):
+        fit_link([(1024, 1e-3), (1024, 2e-3)])
+    with pytest.raises(FSDPError, match="did not take longer"):
+        fit_link([(1024, 2e-3), (1 << 20, 1e-3)])
+
+
+def test_defaults_say_where_they_come_from():
+    for name, inputs in DEFAULTS.items():
+        assert inputs.source and inputs.link.alpha_s > 0 and inputs.link.bytes_per_s > 0, name
+        assert inputs.flops_per_s > 0 and str(inputs)
+
+
+def probe_small():
+    """On every rank: the probe on small sizes (a few seconds)."""
+    result = probe(max_bytes=256 << 10, repeats=2)
+    return {"points": result.points, "alpha": result.link.alpha_s, "beta": result.link.bytes_per_s,
+            "flops": result.cost.flops_per_s, "text": str(result)}
+
+
+def test_probe_measures_on_two_gloo_ranks(ranks):
+    results = ranks(2).run(probe_small)
+    r = results[0]
+    assert [full for full, _ in r["points"]] == [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18]
+    assert all(seconds > 0 for _, seconds in r["points"])
+    assert r["alpha"] >= 0 and r["beta"] > 0 and r["flops"] > 0
+    assert results[1]["points"] == r["points"]  # the slowest rank's times: the same numbers on every rank
+    assert "time = alpha + sent/beta" in r["text"] and "fitted ms" in r["text"]
