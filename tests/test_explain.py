@@ -13,7 +13,7 @@ from fsdp_pass import FSDP, FSDPError, explain, fake_process_group, zoo
 from fsdp_pass.__main__ import main
 from fsdp_pass.predicates import is_all_gather
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.report.memory import GATHERED, step_memory
+from fsdp_pass.report.memory import GATHERED, KINDS, step_memory
 from fsdp_pass.text import human_bytes, human_count
 from tests import explain_cases
 from tests.dry_runs import model_dry_run
@@ -193,3 +193,20 @@ def test_cli_reports_bad_input(capsys):
     assert "world_size must be a positive int" in capsys.readouterr().err
 
 
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_peak_is_split_into_kinds_that_add_up_and_the_gathered_peak_says_what_it_is(strategy):
+    """The step's peak is the sum of its kinds and of the buffers live there; the most gathered memory live at
+    once is step_stats' figure, made of whole gathered buffers and the parameters cut out of them."""
+    e = model_dry_run(4, strategy).explanation
+    step = e.memory.step
+    assert set(step.peak_by_kind) <= set(KINDS)
+    assert sum(step.peak_by_kind.values()) == step.peak_bytes == sum(b.nbytes for b in step.live_at_peak())
+    assert e.memory.peak == e.memory.sharded_params + e.memory.optimizer_state + step.peak_bytes
+    g = e.memory.gathered
+    assert g.bytes == e.stats.peak_gathered_bytes
+    assert g.flat_buffers and sum(b.nbytes for b in g.flat_buffers + g.cut_out) == g.bytes
+    text = str(e)
+    assert f"Gathered parameters at most {human_bytes(g.bytes)} at once (in the {g.phase}, at op {g.at}" in text
+    assert f"{human_bytes(step.peak_bytes)}  (in the {step.peak_phase}, at op {step.peak_trace.peak_at}: " in text
