@@ -45,12 +45,14 @@ def block_bytes(fsdp) -> int:
 @pytest.fixture(scope="module")
 def compiled():
     """name -> (forward, backward, FSDP transform or CompiledStep). Other schedules of the default compile are
-    made by ``reschedule`` (stages 5-7 again on its lowered traces); one is compiled too, to show they agree."""
+    made by ``reschedule`` (stages 5-7 again on its lowered traces); one is compiled too, to show they agree, and
+    that second compile's lowered traces under the default schedule stand for compiling the default again."""
     out = {"default": shared_step("zero3")}  # FSDP("zero3"): the default schedule
     step = out["default"][2].compiled_step
     limit = block_bytes(out["default"][2])
-    out["again"] = compile_step()
     out["prefetch2"] = compile_step(schedule=Schedule(prefetch=2))
+    again = reschedule(out["prefetch2"][2].compiled_step, step.options.schedule)
+    out["again"] = (again.forward, again.backward, again)
     for name, schedule in {
         "rescheduled_prefetch2": Schedule(prefetch=2),
         "bounded": Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1),
@@ -227,6 +229,9 @@ def test_reschedule_gives_what_compiling_with_that_schedule_gives(compiled):
 
 
 def test_same_schedule_on_every_recompile(compiled):
+    """A second compile (made with prefetch=2) scheduled like the first: the same collectives at the same places.
+    Its lowered traces come from compiling the model again; the test above holds reschedule to a real compile."""
+    assert compiled["again"][2].options.schedule == compiled["default"][2].options.schedule
     for phase in (0, 1):
         a, b = compiled["default"][phase], compiled["again"][phase]
         assert collective_calls(a) == collective_calls(b)
