@@ -48,16 +48,25 @@ def _cast_floats(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
+# (model name, compute dtype) -> (the low-precision copy, its plain-Thunder jit), made once per rank process: every
+# mixed-precision parity case of that model and dtype reuses the reference's compile (each step copies the current
+# float32 weights into the copy; the model's buffers are the same deterministic ones)
+_LOW_PRECISION_COPIES: dict = {}
+
+
 class _MixedPrecisionReference:
     """What FSDP with ``param_dtype=compute_dtype`` computes, in one process and without FSDP: each rank's
     micro-batch through a ``compute_dtype`` copy of the float32 model (jitted by plain Thunder, so both sides
     round the same decomposed ops), outputs back in float32, gradients averaged in float32 into the float32
     master parameters."""
 
-    def __init__(self, reference, compute_dtype, reduce_dtype=torch.float32):
+    def __init__(self, model_name, reference, compute_dtype, reduce_dtype=torch.float32):
         self.reference, self.compute_dtype, self.reduce_dtype = reference, compute_dtype, reduce_dtype
-        self.low = copy.deepcopy(reference).to(compute_dtype)
-        self.jitted = thunder.jit(self.low, executors=executors_for("cpu"))
+        key = (model_name, compute_dtype)
+        if key not in _LOW_PRECISION_COPIES:
+            low = copy.deepcopy(reference).to(compute_dtype)
+            _LOW_PRECISION_COPIES[key] = low, thunder.jit(low, executors=executors_for("cpu"))
+        self.low, self.jitted = _LOW_PRECISION_COPIES[key]
 
     def step(self, model_name, x, y, world_size):
         """Gradients into ``reference``'s ``.grad``; returns the mean loss."""
@@ -108,7 +117,9 @@ def parity(
     ref_params = dict(reference.named_parameters())
 
     trainable = [p for p in reference.parameters() if p.requires_grad]
-    mixed = None if compute_dtype is None else _MixedPrecisionReference(reference, compute_dtype, reduce_dtype)
+    mixed = None
+    if compute_dtype is not None:
+        mixed = _MixedPrecisionReference(model_name, reference, compute_dtype, reduce_dtype)
     loss_err, grad_err, norm_err, full_precision_err, losses, frozen_grads = [], [], [], [], [], []
     for step in range(steps):
         x, y = (t.to(device) for t in models.batch(model_name, per_rank_batch * world_size, 0))  # one fixed batch
