@@ -3,6 +3,7 @@
     python -m fsdp_pass explain --world-size 64 --strategy zero3 --model llama2-7b --out dry_run/
     python -m fsdp_pass explain --world-size 8 --model hf:path/to/Llama-3.2-1B/config.json --seq 2048
     python -m fsdp_pass explain --mesh 8x64 --strategy zero3 --model llama2-7b --layers 4   # HSDP
+    python -m fsdp_pass explain --world-size 64 --model llama2-7b --memory-budget 20GiB  # the auto plan
     python -m fsdp_pass probe --local-ranks 2    # a collective's latency and bandwidth, a matmul's rate
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
@@ -21,6 +22,7 @@ import torch
 from fsdp_pass import probe, zoo
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.model_spec import FACTORY_FORMS, build_model
+from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
@@ -62,7 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     ranks.add_argument(
         "--mesh", type=_mesh, help="HSDP: REPLICASxSHARD, e.g. 8x64 (64 ranks per shard group, e.g. a node each, x 8)"
     )
-    p.add_argument("--strategy", choices=["zero2", "zero3"], default="zero3")
+    p.add_argument(
+        "--strategy", choices=["zero2", "zero3", "auto"], default=None,
+        help="default zero3; auto (implied by --memory-budget): units, resharding, prefetch, offload planned",
+    )
+    p.add_argument("--memory-budget", default=None, help="auto plan: bytes per rank, e.g. 20GiB")
+    p.add_argument("--cost", choices=sorted(DEFAULTS), default="h100-nvlink", help="auto plan: cost inputs")
     p.add_argument(
         "--model",
         required=True,
@@ -109,19 +116,27 @@ def explain_command(ns) -> int:
     if ns.param_dtype:
         precision = MixedPrecision(_DTYPES[ns.param_dtype], _DTYPES[ns.reduce_dtype], output_dtype=torch.float32)
     world_size = ns.mesh[0] * ns.mesh[1] if ns.mesh else ns.world_size
+    strategy = ns.strategy or ("auto" if ns.memory_budget else "zero3")
+    chosen = {}
+    if strategy == "auto":
+        chosen = {"memory_budget": ns.memory_budget, "cost": ns.cost}
+    else:
+        chosen = {"units": _units(ns.units), "schedule": schedule}
+        if ns.memory_budget:
+            raise FSDPError(f"--memory-budget plans the step, and --strategy {strategy} was asked for.\n"
+                            "  What to do: leave out --strategy (or pass --strategy auto) to plan within a budget.")
     run = dry_run(
         model.module,
         model.args,
         world_size,
-        ns.strategy,
+        strategy,
         mesh=ns.mesh,
         kwargs=model.kwargs,
-        units=_units(ns.units),
-        schedule=schedule,
         optimizer=ns.optimizer,
         mixed_precision=precision,
         offload_to="cpu" if ns.offload else None,
         checkpoint_activations=ns.checkpoint,
+        **chosen,
     )
     print(
         f"traced and lowered as rank 0 of {world_size}"

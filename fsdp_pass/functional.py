@@ -21,8 +21,8 @@ from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
-from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.errors import check
+from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
@@ -80,7 +80,7 @@ def shard_functional_trace(
     fsdp = FSDPOptions.resolve(strategy, units=units, reshard_after_forward=reshard_after_forward, **options)
     tree = ModuleTree.of(model) if model is not None else None
     sharded = ShardedModel(sharding_of_trace(prologue, computation, group, fsdp.strategy), RankGroups(group), tree)
-    _, computation, plan = rewrite_forward(prologue, computation, sharded, fsdp)
+    _, computation, plan, _ = rewrite_forward(prologue, computation, sharded, fsdp)
     return computation, plan
 
 

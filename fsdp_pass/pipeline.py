@@ -3,7 +3,9 @@
 Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forward`
 
   1. plan      which parameters are gathered together, which units reshard after forward, which are
-               checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`);
+               checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
+               auto planner chooses the units, their resharding and the prefetch depth first
+               (:func:`~fsdp_pass.plan.auto_options.options_from_auto_plan`);
   2. shard     the prologue expects the shards (:func:`~fsdp_pass.shard.prologue.shard_prologue`); the
                module itself was sharded once, when the transform was applied (:mod:`fsdp_pass.shard.module`);
   3. insert    one ``unshard_unit`` per unit before its first use
@@ -41,6 +43,7 @@ from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.units_of_collectives import units_of_collectives
+from fsdp_pass.plan.auto_options import options_from_auto_plan
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.plan_units import plan_units
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
@@ -56,12 +59,17 @@ from fsdp_pass.verify.same_collectives_on_all_ranks import (
 
 
 def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOptions, grad_sync=(REDUCE, None)):
-    """Stages 1-3 on Thunder's prologue and functional forward trace: ``(prologue, computation, plan)``.
+    """Stages 1-3 on Thunder's prologue and functional forward trace: ``(prologue, computation, plan, options)``,
+    the last the options the plan was made with (the auto plan's, under ``FSDP("auto")``; else ``options``).
 
     ``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode of :mod:`fsdp_pass.ops.grad_accumulation`
     this compile is for (``accumulators`` None: no ``no_sync`` check in the prologue).
     """
-    plan = plan_units(computation, parameter_names_of_args(prologue, computation), model.sharding, options, model.tree)
+    param_of_arg = parameter_names_of_args(prologue, computation)
+    auto = None
+    if options.auto is not None:
+        options, auto = options_from_auto_plan(computation, param_of_arg, model, options)
+    plan = replace(plan_units(computation, param_of_arg, model.sharding, options, model.tree), auto=auto)
     prologue = shard_prologue(prologue, model.sharding, model.placed_on, grad_sync)
     offloaded = options.offload_to is not None
     computation = insert_unshards(
@@ -76,7 +84,7 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     )
     computation = cast_compute(computation, plan, options.mixed_precision)
     computation = checkpoint_units(computation, plan)
-    return prologue, computation, plan
+    return prologue, computation, plan, options
 
 
 def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, group=None, step_key: str | None = None):

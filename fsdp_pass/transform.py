@@ -48,8 +48,16 @@ class FSDP(Transform):
     """Fully sharded data parallel as a trace pass.
 
     Args:
-        strategy: ``"zero2"`` (keep gathered parameters for the backward) or ``"zero3"`` (free them
-            after forward, gather again in the backward).
+        strategy: ``"zero2"`` (keep gathered parameters for the backward), ``"zero3"`` (free them
+            after forward, gather again in the backward), or ``"auto"``: the auto planner
+            (:mod:`fsdp_pass.plan.auto_plan`) chooses the units, which of them reshard after forward and the
+            prefetch depth, for the fastest predicted step within ``memory_budget``; ``explain()`` prints
+            the plan with a reason per decision.
+        memory_budget: with ``"auto"``: bytes per rank the step may peak at (``"20GiB"``, ``"512MiB"``, or an
+            int); default: the CUDA device's memory, no bound on the CPU.
+        cost: with ``"auto"``: what collectives and compute cost (:mod:`fsdp_pass.plan.cost_model`): a name in
+            ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.probe.probe(...)``'s
+            result measured on your ranks; default: the defaults of the device the step computes on.
         process_group: the group to shard over; the default group if None.
         mesh: instead of ``process_group``, a torch ``DeviceMesh``: 1-D, the group to shard over; 2-D
             ``("replicate", "shard")``, hybrid sharding (HSDP, :mod:`fsdp_pass.shard.mesh`): each parameter is
@@ -104,6 +112,8 @@ class FSDP(Transform):
         release_original_parameters: bool = True,
         verify_ranks: bool = True,
         timeout=DEFAULT_TIMEOUT,
+        memory_budget=None,
+        cost=None,
     ):
         self.options = FSDPOptions.resolve(
             strategy,
@@ -115,6 +125,8 @@ class FSDP(Transform):
             offload_to=offload_to,
             verify_ranks=verify_ranks,
             timeout=timeout,
+            memory_budget=memory_budget,
+            cost=cost,
         )
         self.process_group = process_group
         self.mesh = mesh
@@ -129,6 +141,8 @@ class FSDP(Transform):
         self.compiled_step: CompiledStep | None = None  # the latest compile
 
     def __repr__(self) -> str:
+        if self.options.auto is not None:
+            return "fsdp_pass.FSDP(strategy='auto')"
         return f"fsdp_pass.FSDP(strategy={self.strategy.value!r}, units={self.options.unit_policy.name!r})"
 
     @property
@@ -176,17 +190,17 @@ class FSDP(Transform):
 
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         grad_sync = (self.accumulators.mode(), self.accumulators)
-        prologue_trace, computation_trace, plan = rewrite_forward(
+        prologue_trace, computation_trace, plan, options = rewrite_forward(
             prologue_trace, computation_trace, self.model, self.options, grad_sync
         )
-        self.compiled_step = CompiledStep(plan, self.options)
+        self.compiled_step = CompiledStep(plan, options)
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
         phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
         step = self.compiled_step
         trace, units = finish_lowered(
-            computation_trace, phase, step.plan, self.options, self.model.groups.everyone, step_key=step.key
+            computation_trace, phase, step.plan, step.options, self.model.groups.everyone, step_key=step.key
         )
         self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace

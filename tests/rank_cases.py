@@ -179,6 +179,7 @@ def parity(
         "shard_numel": sum(p.numel() for p in jm.parameters()),
         "full_numel": sum(p.numel() for p in reference.parameters()),
         "unit_names": [u.name for u in fsdp.unit_plan.units],
+        "reshard": [u.reshard_after_forward for u in fsdp.unit_plan.units],
         # where each collective is issued and waited for in this rank's final traces
         "schedule": [(r.phase, r.kind, r.unit, r.issued_at, r.waited_at) for r in fsdp.overlap_report().rows],
         "exposed": [(r.phase, r.kind, r.unit) for r in fsdp.overlap_report().exposed()],

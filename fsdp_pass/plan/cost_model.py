@@ -11,7 +11,8 @@ parameter); ``bytes_per_s`` is what a rank sends per second once the collective 
 bus bandwidth). :func:`fit_link` finds both from measured (bytes sent, seconds) pairs, by least squares on
 that line; :mod:`fsdp_pass.probe` measures them on the user's ranks.
 
-``CostInputs``: the link of the shard group, the device's matmul rate, and where the numbers came from.
+``CostInputs``: the link of the shard group, the device's matmul rate, the copy rate to and from the host (what
+offloading pays), and where the numbers came from.
 :data:`DEFAULTS` holds two sets, each with its source written next to it.
 """
 
@@ -77,6 +78,8 @@ class CostInputs:
     link: LinkCost  # the shard group's collectives
     flops_per_s: float  # the device's matmul rate, in the dtype the step computes in
     source: str  # where the numbers come from
+    # bytes per second between the device and where offloaded shards live (one direction); None: not measured
+    host_bytes_per_s: float | None = None
 
     def compute_seconds(self, flops: float) -> float:
         return flops / self.flops_per_s
@@ -90,9 +93,16 @@ DEFAULTS = {
     # practice); NVLink 4: 900 GB/s per GPU, both directions together, so 450 GB/s each way. nccl-tests report
     # bus bandwidths near 360 GB/s for large all-gathers within one 8-GPU node. NCCL's latency for a small
     # collective on NVLink: about 10-20 us.
-    "h100-nvlink": CostInputs(LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests"),
+    # Host copies: PCIe Gen5 x16 is 64 GB/s each way; pinned copies reach about 50 GB/s.
+    "h100-nvlink": CostInputs(
+        LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5", 50e9
+    ),
     # this project's 2-core development machine, 2 gloo ranks on loopback, measured on 2026-11-23 with
     # `python -m fsdp_pass probe --local-ranks 2` while other jobs shared the cores (load average about 7):
     # 1 KiB-16 MiB all-gathers fit to alpha 893 us, beta 0.277 GB/s; a 512 x 512 float32 matmul 9 GFLOP/s
-    "cpu-gloo": CostInputs(LinkCost(893e-6, 0.277e9), 9e9, "probe, 2 gloo ranks on the 2-core dev machine, busy"),
+    # "Offloading" to the CPU from the CPU is a copy into fresh memory: a 64 MiB float32 clone ran at 1.0 GB/s
+    # (fastest of 5, the test suite running beside it).
+    "cpu-gloo": CostInputs(
+        LinkCost(893e-6, 0.277e9), 9e9, "probe, 2 gloo ranks on the 2-core dev machine, busy", 1e9
+    ),
 }

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fsdp_pass.errors import check
+from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import Strategy, parse_strategy
@@ -55,6 +56,45 @@ def resolve_timeout(timeout) -> datetime.timedelta:
 
 
 @dataclass(frozen=True)
+class AutoSettings:
+    """``FSDP("auto", memory_budget=..., cost=...)``: what the auto planner (:mod:`fsdp_pass.plan.auto_plan`)
+    plans with. ``cost`` None: the defaults of the device the step computes on."""
+
+    memory_budget: int | None = None  # bytes per rank; None: the device's memory (no bound on the CPU)
+    cost: CostInputs | None = None
+    optimizer_states: int = 2  # parameter-sized optimizer states per element (Adam)
+
+
+def parse_bytes(value) -> int | None:
+    """``"20GiB"``, ``"512 MiB"``, ``"1.5GB"``, or a number of bytes -> bytes; None stays None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        size = float(number) * units[text[len(number):]]
+    except (KeyError, ValueError):
+        size = 0
+    check(size > 0, f"{value!r} is not a size in bytes.", "Pass e.g. '20GiB', '512MiB', '1.5GB' or a number of bytes.")
+    return int(size)
+
+
+def resolve_cost(cost) -> CostInputs | None:
+    """``cost=``: None (the device's defaults), a name in ``cost_model.DEFAULTS``, CostInputs, or a probe result."""
+    if cost is None or isinstance(cost, CostInputs):
+        return cost
+    if isinstance(cost, str):
+        check(cost in DEFAULTS, f"Unknown cost inputs {cost!r}.",
+              f"Pass one of {sorted(DEFAULTS)}, or fsdp_pass.probe.probe(...).cost measured on your ranks.")
+        return DEFAULTS[cost]
+    check(isinstance(getattr(cost, "cost", None), CostInputs), f"Cannot read {cost!r} as cost inputs.",
+          f"Pass one of {sorted(DEFAULTS)}, a CostInputs, or what fsdp_pass.probe.probe(...) returns.")
+    return cost.cost
+
+
+@dataclass(frozen=True)
 class FSDPOptions:
     """Everything of ``FSDP(...)`` that decides what the passes write (see :class:`fsdp_pass.FSDP`)."""
 
@@ -67,6 +107,7 @@ class FSDPOptions:
     offload_to: str | None = None  # where shards, their gradients and the optimizer state live between uses
     verify_ranks: bool = True  # check at every step that every rank issues the same collectives
     timeout: datetime.timedelta = DEFAULT_TIMEOUT  # how long a collective helper waits for every rank to arrive
+    auto: AutoSettings | None = None  # FSDP("auto"): units, resharding, prefetch and offload are planned
 
     @classmethod
     def resolve(
@@ -81,8 +122,23 @@ class FSDPOptions:
         offload_to=None,
         verify_ranks: bool = True,
         timeout=DEFAULT_TIMEOUT,
+        memory_budget=None,
+        cost=None,
     ) -> FSDPOptions:
         """The options from what a user passes to ``FSDP(...)``."""
+        auto = None
+        if isinstance(strategy, str) and strategy.lower() == "auto":
+            chosen = [name for name, value, default in (
+                ("units", units, "blocks"), ("reshard_after_forward", reshard_after_forward, None),
+                ("schedule", schedule, DEFAULT_SCHEDULE)) if value != default]
+            check(not chosen, f"FSDP('auto') chooses {', '.join(chosen)} itself, and they were passed too.",
+                  "Leave them out (the plan and its reasons print with fsdp_pass.explain(model)), or pass "
+                  "'zero2'/'zero3' to choose them by hand.")
+            strategy, auto = "zero3", AutoSettings(parse_bytes(memory_budget), resolve_cost(cost))
+        else:
+            check(memory_budget is None and cost is None,
+                  "memory_budget= and cost= are read by the auto planner only.",
+                  "Pass FSDP('auto', memory_budget='20GiB'), or leave them out.")
         return cls(
             parse_strategy(strategy),
             resolve_policy(units),
@@ -93,4 +149,5 @@ class FSDPOptions:
             None if offload_to is None else str(offload_to),
             bool(verify_ranks),
             resolve_timeout(timeout),
+            auto,
         )

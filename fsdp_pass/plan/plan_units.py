@@ -17,10 +17,10 @@ from dataclasses import replace
 from fsdp_pass.errors import check
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
-from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
-from fsdp_pass.plan.units import Unit, UnitPlan
+from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
+from fsdp_pass.plan.units import Unit, UnitPlan
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
@@ -60,7 +60,7 @@ def _reshard(units: list[Unit], strategy: Strategy, override, notes: list[str]) 
     return [replace(u, reshard_after_forward=f) for u, f in zip(units, flags)]
 
 
-def _policy_input(computation, param_of_arg: dict[str, str], sharding: ShardingPlan, tree: ModuleTree | None):
+def policy_input(computation, param_of_arg: dict[str, str], sharding: ShardingPlan, tree: ModuleTree | None):
     """What a unit policy sees: the tree, the parameters in order of first use, their uses and sizes."""
     uses_of_arg = first_and_last_use(computation, set(param_of_arg))
     uses = {param_of_arg[a]: u for a, u in uses_of_arg.items()}
@@ -86,7 +86,7 @@ def plan_units(
     ``tree``: the module tree the policy reads (without it every parameter hangs off the root).
     """
     policy = options.unit_policy
-    inp, uses = _policy_input(computation, param_of_arg, sharding, tree)
+    inp, uses = policy_input(computation, param_of_arg, sharding, tree)
     groups = policy.groups(inp)
     placed = [p for _, ps in groups for p in ps]
     check(sorted(placed) == sorted(inp.order),

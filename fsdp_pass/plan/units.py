@@ -33,6 +33,7 @@ class UnitPlan:
     notes: tuple[str, ...] = field(default=())
     # the forward trace's arguments in order: (argument name, the parameter it is, or None)
     arguments: tuple[tuple[str | None, str | None], ...] = ()
+    auto: object | None = None  # FSDP("auto"): the AutoPlan these units come from, with its reasons
 
     @property
     def param_of_arg(self) -> dict[str, str]:

@@ -149,7 +149,22 @@ class Explanation:
 
     def __str__(self) -> str:
         notes = ["", "Notes:", *(f"  {n}" for n in self.notes)] if self.notes else []
-        return "\n".join([*self._unit_table(), "", *self._totals(), *notes])
+        return "\n".join([*self._unit_table(), "", *self._totals(), *self._auto_lines(), *notes])
+
+    def _auto_lines(self) -> list[str]:
+        """Under ``FSDP("auto")``: the plan with its reasons, and the traced peak held against the budget."""
+        auto = self.plan.auto
+        if auto is None:
+            return []
+        lines = ["", str(auto)]
+        traced = self.memory.peak
+        if traced is not None:
+            verdict = "" if auto.budget is None else (
+                f": within the {human_bytes(auto.budget)} budget" if traced <= auto.budget
+                else f": OVER the {human_bytes(auto.budget)} budget (the planner's estimate was too low)")
+            lines.append(f"the traced step peaks at {human_bytes(traced)} (the planner predicted "
+                         f"{human_bytes(auto.prediction.peak_bytes)}){verdict}")
+        return lines
 
     def _unit_table(self) -> list[str]:
         sp = self.plan.sharding

@@ -19,11 +19,11 @@ and position only, so the report also reads traces this pass did not make (Thund
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
 
 from fsdp_pass.compiled_step import CompiledStep
+from fsdp_pass.op_flops import estimated_flops, numel
 from fsdp_pass.op_names import CollectiveKind
 from fsdp_pass.passes.collective_groups import graph, unpacking_group
 from fsdp_pass.predicates import (
@@ -36,27 +36,6 @@ from fsdp_pass.predicates import (
     is_wait,
 )
 from fsdp_pass.text import format_table, human_bytes
-
-
-def _numel(proxy) -> int:
-    return math.prod(proxy.shape) if getattr(proxy, "shape", None) is not None else 0
-
-
-def estimated_flops(bsym) -> int:
-    """A rough FLOP count of one op (enough to tell a matmul-heavy gap from an empty one)."""
-    if bsym.sym.is_fusion:
-        return sum(estimated_flops(s) for s in bsym.subsymbols)
-    name = str(bsym.sym.name)
-    tensors_in = [p for p in bsym.flat_proxy_args if getattr(p, "shape", None) is not None]
-    tensors_out = [p for p in bsym.flat_proxy_outs if getattr(p, "shape", None) is not None]
-    if not tensors_out:
-        return 0
-    if name in ("matmul", "linear") and tensors_in and tensors_in[0].shape:
-        return 2 * _numel(tensors_out[0]) * tensors_in[0].shape[-1]
-    if "scaled_dot_product" in name and len(tensors_in) >= 2 and len(tensors_in[0].shape) >= 2:
-        q, k = tensors_in[0], tensors_in[1]
-        return 4 * _numel(q) * k.shape[-2]
-    return max(_numel(p) for p in tensors_out)
 
 
 def is_compute(bsym) -> bool:
@@ -103,7 +82,7 @@ def collective_overlaps(trace, phase: str, units: dict[str, str] | None = None) 
                 phase,
                 collective_kind(b),
                 (units or {}).get(b.output.name),
-                _numel(full) * full.dtype.bytes,
+                numel(full) * full.dtype.bytes,
                 i,
                 w,
                 tuple(Counter(str(x.sym.name) for x in between).most_common()),

@@ -1,0 +1,84 @@
+"""``FSDP("auto")`` at compile time: plan the step from its functional forward trace, and turn the plan into
+the options the other stages read, as if the user had written them.
+
+``options_from_auto_plan(computation, param_of_arg, model, options) -> (options, AutoPlan)``
+
+1. Summarize the trace into pieces (:mod:`fsdp_pass.plan.step_summary`).
+2. Plan (:func:`~fsdp_pass.plan.auto_plan.plan_step`) with the settings' cost inputs, else the defaults of the
+   device the step computes on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), and the settings' budget, else
+   the CUDA device's memory (no bound on the CPU or the meta device).
+3. The plan's units become a unit policy (:class:`PlannedUnits`), its resharding a ``reshard_after_forward``
+   function of the unit's name, its prefetch depth a :class:`~fsdp_pass.plan.schedule.Schedule`.
+
+Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to`` given the plan
+offloads; without it, a plan that needs offload is an FSDPError saying to pass ``offload_to="cpu"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from fsdp_pass.errors import fail
+from fsdp_pass.plan.auto_plan import AutoPlan, plan_step
+from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.plan_units import policy_input
+from fsdp_pass.plan.schedule import Schedule
+from fsdp_pass.plan.step_summary import summarize
+from fsdp_pass.text import human_bytes
+
+
+class PlannedUnits:
+    """A unit policy that returns the auto plan's units."""
+
+    name = "auto"
+
+    def __init__(self, groups):
+        self.planned = tuple(groups)
+
+    def groups(self, inp) -> list:
+        return list(self.planned)
+
+
+@dataclass(frozen=True)
+class ReshardNamed:
+    """``reshard_after_forward`` of the auto plan: the units it names reshard."""
+
+    names: frozenset[str]
+
+    def __call__(self, unit) -> bool:
+        return unit.name in self.names
+
+
+def _device_defaults(device) -> tuple[CostInputs, int | None]:
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return DEFAULTS["h100-nvlink"], torch.cuda.get_device_properties(device).total_memory
+    return DEFAULTS["cpu-gloo"], None
+
+
+def options_from_auto_plan(computation, param_of_arg: dict[str, str], model, options: FSDPOptions):
+    """The options the auto plan of ``computation`` makes of ``options`` (``options.auto`` set), and the plan."""
+    settings = options.auto
+    default_cost, default_budget = _device_defaults(model.device)
+    inp, _ = policy_input(computation, param_of_arg, model.sharding, model.tree)
+    summary = summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision,
+                        settings.optimizer_states)
+    offloaded = options.offload_to is not None
+    budget = settings.memory_budget if settings.memory_budget is not None else default_budget
+    plan: AutoPlan = plan_step(summary, settings.cost or default_cost, budget, offload=True if offloaded else None)
+    if plan.candidate.offload and not offloaded:
+        fail(
+            f"FSDP('auto', memory_budget={human_bytes(budget)}) fits only with offload: the shards, their gradients "
+            "and the optimizer state must live on the host, and they are placed when the model is sharded.",
+            "Pass offload_to='cpu' too (FSDP('auto', memory_budget=..., offload_to='cpu')), or a larger budget.",
+        )
+    planned = replace(
+        options,
+        unit_policy=PlannedUnits(plan.groups),
+        reshard_after_forward=ReshardNamed(plan.resharded),
+        schedule=Schedule(prefetch=plan.candidate.prefetch),
+    )
+    return planned, plan

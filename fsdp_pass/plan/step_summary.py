@@ -1,0 +1,138 @@
+"""What the auto planner knows of a step: the model cut into *pieces* along the trace, each with its bytes,
+its FLOPs and its activations. ``summarize(computation, inp, sharding, precision) -> StepSummary``.
+
+A piece is the smallest group of parameters the planner places: a repeated block's direct child (a
+decoder layer's attention, its MLP, each of its norms), or, outside the blocks, one module's parameters.
+Pieces are ordered by first use in the forward trace; a unit the planner makes is a run of consecutive
+pieces, so it can merge blocks (``layers.3`` with ``layers.4``) or split one (its attention from its MLP).
+
+Read off the functional forward trace, before any rewriting:
+
+1. ``gathered_bytes``: the piece's unsharded parameters in the dtype they are gathered in (the mixed
+   precision's ``param_dtype``, else their own); ``grad_bytes`` the same in the dtype they are reduced in.
+2. ``shard_bytes``: what this rank keeps of them between steps (padding included).
+3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
+   :func:`~fsdp_pass.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, others one
+   per output element).
+4. ``activation_bytes``: those ops' results that a later op reads, except views: an upper bound of what
+   the backward keeps (Thunder's autodiff saves fewer of them, fusion recomputes some). The dry run's
+   traced peak (``explain()``) is the check on it.
+
+No process group, no tensors: a pure function of the trace and the sharding plan, so the planner can be
+tested on hand-made summaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_pass.op_flops import estimated_flops
+from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.plan.sharding import ShardingPlan
+from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
+from fsdp_pass.predicates import is_bookkeeping, is_return, is_view_like
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    params: tuple[str, ...]
+    block: str  # the Blocks unit it belongs to: where the planner starts from
+    gathered_bytes: int  # unsharded, in the gathered dtype
+    grad_bytes: int  # unsharded gradients, in the reduce dtype
+    shard_bytes: int  # this rank's shards, in their stored dtype (padding included)
+    flops: float  # forward
+    activation_bytes: int  # what the forward keeps for the backward (an upper bound)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    pieces: tuple[Piece, ...]
+    ranks: int  # of the shard group
+    optimizer_states: int = 2  # parameter-sized optimizer states per trainable element (Adam: 2)
+
+    @property
+    def shard_bytes(self) -> int:
+        return sum(p.shard_bytes for p in self.pieces)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(p.activation_bytes for p in self.pieces)
+
+
+def _piece_key(param: str, block: str, inp: PolicyInput) -> str:
+    """The piece a parameter belongs to: the block's direct child holding it, else its own module."""
+    module = inp.tree.module_of_param(param) or param
+    if block in inp.tree.params and module != block and module.startswith(block + "."):
+        child = module[len(block) + 1 :].split(".")[0]
+        return f"{block}.{child}"
+    return module
+
+
+def _pieces_of(inp: PolicyInput) -> list[tuple[str, str, list[str]]]:
+    """(piece name, block, parameter names) in order of first use."""
+    pieces: dict[str, tuple[str, list[str]]] = {}
+    for block, params in Blocks().groups(inp):
+        for p in params:
+            pieces.setdefault(_piece_key(p, block, inp), (block, []))[1].append(p)
+    out = [(name, block, sorted(ps, key=inp.first_use.get)) for name, (block, ps) in pieces.items()]
+    return sorted(out, key=lambda item: inp.first_use[item[2][0]])
+
+
+def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int) -> tuple[list[float], list[int]]:
+    """FLOPs and kept result bytes of the forward's ops, each charged to the piece whose parameter the
+    trace read last before it."""
+    flops, acts = [0.0] * n, [0] * n
+    readers: dict[str, int] = {}
+    for bsym in computation.bound_symbols:
+        for p in bsym.flat_proxy_args:
+            readers[p.name] = readers.get(p.name, 0) + 1
+    current = 0
+    for bsym in computation.bound_symbols:
+        if is_return(bsym) or is_bookkeeping(bsym):
+            continue
+        read = [piece_of_arg[p.name] for p in bsym.flat_proxy_args if p.name in piece_of_arg]
+        if read:
+            current = max(read)
+        flops[current] += estimated_flops(bsym)
+        if not is_view_like(bsym):
+            acts[current] += sum(
+                int(o.numel) * o.dtype.bytes
+                for o in bsym.flat_proxy_outs
+                if getattr(o, "shape", None) is not None and readers.get(o.name, 0) > 0
+            )
+    return flops, acts
+
+
+def summarize(
+    computation,
+    inp: PolicyInput,
+    param_of_arg: dict[str, str],
+    sharding: ShardingPlan,
+    precision: MixedPrecision,
+    optimizer_states: int = 2,
+) -> StepSummary:
+    """The pieces of the functional forward trace ``computation`` (``inp``: what a unit policy sees of it)."""
+    found = _pieces_of(inp)
+    index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
+    piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
+    flops, acts = _ops_by_piece(computation, piece_of_arg, len(found))
+
+    def nbytes(params, dtype) -> int:
+        return sum(sharding.param(p).layout.numel * (dtype.itemsize if dtype else sharding.param(p).itemsize)
+                   for p in params)
+
+    pieces = tuple(
+        Piece(
+            name,
+            tuple(params),
+            block,
+            nbytes(params, precision.param_dtype),
+            nbytes(params, precision.reduce_dtype),
+            sum(sharding.param(p).layout.shard_numel * sharding.param(p).itemsize for p in params),
+            flops[i],
+            acts[i],
+        )
+        for i, (name, block, params) in enumerate(found)
+    )
+    return StepSummary(pieces, sharding.world_size, optimizer_states)

@@ -1,0 +1,31 @@
+"""``FSDP("auto")`` on every rank of a gloo RankPool (module-level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from fsdp_pass.plan.auto_plan import smallest_peak
+from fsdp_pass.plan.cost_model import DEFAULTS
+from tests import models, rank_cases
+
+
+def auto_parity(model_name: str, steps: int = 3):
+    """Plan without a budget, then train with a budget halfway between the smallest peak any plan reaches and
+    that plan's: the planner must change the plan to fit, and the step must still equal one process's."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    _, jm, fsdp = rank_cases._reference_and_fsdp_model(model_name, "auto", cost="cpu-gloo")
+    x, y = models.batch(model_name, 2 * world_size, 0)
+    n = x.shape[0] // world_size
+    models.loss_fn(model_name, jm(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
+    free = fsdp.unit_plan
+    cost = DEFAULTS["cpu-gloo"]
+    budget = (smallest_peak(free.auto.summary, cost, offload=False).peak_bytes + free.auto.prediction.peak_bytes) // 2
+    out = rank_cases.parity(model_name, "auto", steps=steps, keep_model=True, cost="cpu-gloo", memory_budget=budget)
+    auto = rank_cases.fsdp_of(out.pop("jm")).unit_plan.auto
+    return out | {
+        "budget": budget,
+        "predicted_peak": auto.prediction.peak_bytes,
+        "unbounded_peak": free.auto.prediction.peak_bytes,
+        "unbounded_units": [u.name for u in free.units],
+        "unbounded_reshard": [u.reshard_after_forward for u in free.units],
+    }

@@ -1,0 +1,158 @@
+"""The auto planner (issue 19): a pure function of (step summary, cost inputs, budget), tested on hand-made
+summaries; then ``FSDP("auto")`` in a dry run and on gloo ranks against a single-process reference."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from fsdp_pass import FSDP, FSDPError
+from fsdp_pass.plan.auto_plan import plan_step, smallest_peak
+from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost
+from fsdp_pass.plan.options import parse_bytes
+from fsdp_pass.plan.step_model import Candidate, predict
+from fsdp_pass.plan.step_summary import Piece, StepSummary
+from fsdp_pass.text import human_bytes
+from tests import auto_cases
+from tests.dry_runs import model_dry_run
+
+MiB = 2**20
+RANKS = 8
+# a link fast enough that merging buys nothing: the tests of resharding and offload see one unit per block
+FAST = CostInputs(LinkCost(1e-9, 1e12), 1e12, "hand-made: latency-free link", host_bytes_per_s=1e10)
+
+
+def summary(sizes_mib=(10, 40, 20, 40, 10, 30), pieces_per_block=1, act_mib=8, flops=1e9) -> StepSummary:
+    """One block per size (its unsharded parameters in MiB), each cut into ``pieces_per_block`` pieces."""
+    pieces = []
+    for b, size in enumerate(sizes_mib):
+        for c in range(pieces_per_block):
+            nbytes = size * MiB // pieces_per_block
+            pieces.append(Piece(f"b{b}.p{c}", (f"b{b}.p{c}.w",), f"b{b}", nbytes, nbytes, nbytes // RANKS,
+                                flops / pieces_per_block, act_mib * MiB // pieces_per_block))
+    return StepSummary(tuple(pieces), RANKS)
+
+
+def per_block(s: StepSummary, reshard) -> Candidate:
+    return Candidate(tuple(range(len(s.pieces))), tuple(reshard), 1, False)
+
+
+def _fewest_resharded_by_brute_force(s: StepSummary, budget: int) -> int:
+    k = len(s.pieces)
+    counts = [
+        bin(mask).count("1")
+        for mask in range(2 ** (k - 1))
+        if predict(s, per_block(s, [bool(mask >> i & 1) for i in range(k - 1)] + [False]), FAST).peak_bytes <= budget
+    ]
+    return min(counts)
+
+
+@pytest.mark.parametrize("sizes", [(10, 40, 20, 40, 10, 30), (30, 30, 30, 30, 30, 30), (5, 60, 10, 10, 60, 5)])
+def test_budget_between_zero2_and_zero3_reshards_exactly_the_units_that_must(sizes):
+    s = summary(sizes)
+    k = len(s.pieces)
+    zero2 = predict(s, per_block(s, [False] * k), FAST).peak_bytes
+    zero3 = predict(s, per_block(s, [True] * (k - 1) + [False]), FAST).peak_bytes
+    assert zero3 < zero2
+    for budget in (zero2, (2 * zero2 + zero3) // 3, (zero2 + 2 * zero3) // 3, zero3):
+        plan = plan_step(s, FAST, budget)
+        assert plan.names == tuple(f"b{b}" for b in range(k))  # no merge, no split: the link is free
+        assert plan.prediction.peak_bytes <= budget
+        # as few units reshard as any choice of them that fits; never the last one
+        assert len(plan.resharded) == _fewest_resharded_by_brute_force(s, budget)
+        assert f"b{k - 1}" not in plan.resharded
+        for name in plan.resharded:  # keeping any one of them gathered would break the budget
+            kept = per_block(s, [f"b{b}" in plan.resharded - {name} for b in range(k)])
+            assert predict(s, kept, FAST).peak_bytes > budget
+            assert any(r.startswith(f"{name} reshards after forward") for r in plan.reasons)
+    assert plan_step(s, FAST, zero2).resharded == frozenset()  # the ZeRO-2 peak fits: nothing reshards
+    assert len(plan_step(s, FAST, (zero2 + zero3) // 2).resharded) > 0
+
+
+def test_high_latency_link_merges_units_and_says_why():
+    s = summary(sizes_mib=(8,) * 6, pieces_per_block=2)
+    slow = CostInputs(LinkCost(50e-3, 1e12), 1e12, "hand-made: 50 ms per collective")
+    fast_plan, slow_plan = plan_step(s, FAST), plan_step(s, slow)
+    assert len(fast_plan.names) == 6  # one unit per block
+    assert len(slow_plan.names) < 6
+    assert any("merged" in r and "a collective fewer each time (alpha 5e+04 us each)" in r for r in slow_plan.reasons)
+    blocks = dict(slow_plan.compared)["blocks, ZeRO-2, prefetch 1"]
+    assert slow_plan.prediction.step_s < blocks.step_s
+
+
+def test_large_first_gather_is_split_when_compute_can_hide_the_rest():
+    # one huge block whose compute is long: splitting it lets the second half's gather overlap the first half
+    s = summary(sizes_mib=(400,), pieces_per_block=4, flops=4e12)
+    link = CostInputs(LinkCost(1e-6, 1e9), 1e12, "hand-made: slow bandwidth, little latency")
+    plan = plan_step(s, link)
+    assert len(plan.names) > 1
+    assert any("split before" in r for r in plan.reasons)
+
+
+def test_tight_budget_turns_on_offload_before_it_fails():
+    s = summary()
+    on_device = smallest_peak(s, FAST, offload=False).peak_bytes
+    offloaded = smallest_peak(s, FAST, offload=True).peak_bytes
+    assert offloaded < on_device
+    plan = plan_step(s, FAST, (on_device + offloaded) // 2)
+    assert plan.candidate.offload
+    assert any(r.startswith("offload on: without it no plan fits") for r in plan.reasons)
+    assert not plan_step(s, FAST, on_device + MiB).candidate.offload  # offload stays off while it is not needed
+    with pytest.raises(FSDPError, match=f"smallest predicted peak is {human_bytes(offloaded)}") as err:
+        plan_step(s, FAST, offloaded - MiB)
+    assert f"memory_budget >= {human_bytes(offloaded)}" in str(err.value)
+    with pytest.raises(FSDPError, match="No plan fits"):  # offload ruled out: fails at the on-device minimum
+        plan_step(s, FAST, (on_device + offloaded) // 2, offload=False)
+
+
+def test_step_model_prefetch_hides_gathers_behind_compute():
+    s = summary(sizes_mib=(40,) * 4, flops=4e11)
+    link = CostInputs(LinkCost(10e-6, 20e9), 1e12, "hand-made")
+    kept = [False] * 4
+    no_prefetch = predict(s, replace(per_block(s, kept), prefetch=0), link)
+    prefetch = predict(s, per_block(s, kept), link)
+    assert prefetch.compute_s == no_prefetch.compute_s
+    assert prefetch.exposed_s < no_prefetch.exposed_s
+    gather = link.link.seconds(40 * MiB, RANKS, "all_gather")
+    assert prefetch.exposed_s >= gather  # the first gather of the step is always waited for
+
+
+def test_options_refuse_what_auto_chooses_and_read_sizes():
+    assert parse_bytes("20GiB") == 20 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes(7) == 7
+    with pytest.raises(FSDPError, match="not a size in bytes"):
+        parse_bytes("lots")
+    with pytest.raises(FSDPError, match="chooses units, schedule itself"):
+        FSDP("auto", units="per_parameter", schedule=2)
+    with pytest.raises(FSDPError, match="read by the auto planner only"):
+        FSDP("zero3", memory_budget="1GiB")
+    with pytest.raises(FSDPError, match="Unknown cost inputs"):
+        FSDP("auto", cost="tpu")
+    assert FSDP("auto", cost="h100-nvlink").options.auto.cost == DEFAULTS["h100-nvlink"]
+
+
+def test_dry_run_prints_the_plan_its_reasons_and_the_traced_peak_against_the_budget():
+    free = model_dry_run(4, "auto", cost="cpu-gloo").explanation
+    auto = free.plan.auto
+    budget = (smallest_peak(auto.summary, DEFAULTS["cpu-gloo"], offload=False).peak_bytes
+              + auto.prediction.peak_bytes) // 2
+    run = model_dry_run(4, "auto", cost="cpu-gloo", memory_budget=budget).explanation
+    plan = run.plan
+    assert plan.policy == "auto" and plan.auto.budget == budget
+    assert [u.name for u in plan.units] == list(plan.auto.names)
+    assert [u.reshard_after_forward for u in plan.units] == list(plan.auto.candidate.reshard)
+    assert plan.auto.prediction.peak_bytes <= budget < auto.prediction.peak_bytes
+    text = str(run)
+    assert "Auto plan over 4 ranks" in text and "why:" in text and "predicted step" in text
+    assert f"the traced step peaks at {human_bytes(run.memory.peak)}" in text
+
+
+def test_auto_plan_trains_like_one_process_on_gloo_ranks(ranks):
+    r = ranks(2).run(auto_cases.auto_parity, "gpt2_tied")
+    for x in r:
+        assert x["loss_rel_err"] < 1e-5 and x["grad_rel_err"] < 1e-5, x
+        assert x["losses"][-1] < x["losses"][0]
+        assert x["unit_names"] == r[0]["unit_names"] and x["reshard"] == r[0]["reshard"]
+    first = r[0]
+    assert first["predicted_peak"] <= first["budget"] < first["unbounded_peak"]
+    assert (first["unit_names"], first["reshard"]) != (first["unbounded_units"], first["unbounded_reshard"])
