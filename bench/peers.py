@@ -58,6 +58,12 @@ OURS_CONFIGS = [
     ("ours zero3 blocks unscheduled", "zero3", "blocks", None, "ours"),
     ("ours zero3 blocks thunder order", "zero3", "blocks", None, "thunder"),
     ("ours zero3 by-size 1.7MB", "zero3", "by_size:1700000", 1, "ours"),  # two decoder layers per unit
+    ("ours zero2 by-size 1.7MB", "zero2", "by_size:1700000", 1, "ours"),
+    ("ours zero2 by-size whole", "zero2", "by_size:1000000000", 1, "ours"),  # the whole model one unit
+    # the auto planner with this machine's cost inputs: no budget, then one between the planner's predicted
+    # peaks of the blocks ZeRO-3 and ZeRO-2 plans (bench model, 4 layers, world 2: 27.4 and 29.2 MiB)
+    ("ours auto", "auto", "blocks", 1, "ours", {"cost": "cpu-gloo"}),
+    ("ours auto 28MiB", "auto", "blocks", 1, "ours", {"cost": "cpu-gloo", "memory_budget": "28MiB"}),
     ("ours zero3 blocks checkpointed", "zero3", "blocks", 1, "ours", {"checkpoint_activations": True}),
     ("ours zero3 blocks bf16", "zero3", "blocks", 1, "ours", {"mixed_precision": BF16}),
     ("ours zero3 blocks bf16 reduce bf16", "zero3", "blocks", 1, "ours", {"mixed_precision": BF16_REDUCE}),
@@ -304,12 +310,19 @@ def all_systems() -> list[System]:
 
 def select(systems: list[System], only: str | None) -> list[System]:
     """``only``: comma list; a token picks the system of that name, or every system whose name
-    starts with the token followed by a space (``ours`` picks all ``ours ...`` rows)."""
+    starts with the token followed by a space (``ours`` picks all ``ours ...`` rows); ``=name`` picks that
+    name alone (``=ours zero3 blocks``, not its variants)."""
     if not only:
         return systems
     tokens = [t.strip() for t in only.split(",") if t.strip()]
-    picked = [s for s in systems if any(s.name == t or s.name.startswith(t + " ") for t in tokens)]
-    unknown = [t for t in tokens if not any(s.name == t or s.name.startswith(t + " ") for s in systems)]
+
+    def picks(name: str, token: str) -> bool:
+        if token.startswith("="):
+            return name == token[1:]
+        return name == token or name.startswith(token + " ")
+
+    picked = [s for s in systems if any(picks(s.name, t) for t in tokens)]
+    unknown = [t for t in tokens if not any(picks(s.name, t) for s in systems)]
     if unknown:
         names = ", ".join(s.name for s in systems)
         raise SystemExit(f"--only: unknown system(s) {unknown}; known: {names}")

@@ -87,7 +87,9 @@ def parse_args(argv=None):
     p.add_argument(
         "--rounds", type=int, default=1, help="measure every system this many times, one after the other (R)"
     )
-    p.add_argument("--only", default=None, help="comma list of systems (a prefix such as 'ours' picks a family)")
+    p.add_argument(
+        "--only", default=None, help="comma list of systems (a prefix such as 'ours' picks a family; =name just that one)"
+    )
     p.add_argument("--list", action="store_true", help="list the systems and exit")
     p.add_argument("--gloo-timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--deadline", type=float, default=1800.0, help="kill all ranks after this many seconds")

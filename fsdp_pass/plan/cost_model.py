@@ -97,12 +97,13 @@ DEFAULTS = {
     "h100-nvlink": CostInputs(
         LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5", 50e9
     ),
-    # this project's 2-core development machine, 2 gloo ranks on loopback, measured on 2026-11-23 with
-    # `python -m fsdp_pass probe --local-ranks 2` while other jobs shared the cores (load average about 7):
-    # 1 KiB-16 MiB all-gathers fit to alpha 893 us, beta 0.277 GB/s; a 512 x 512 float32 matmul 9 GFLOP/s
+    # this project's 2-core development machine, 2 gloo ranks on loopback (one thread each), measured on
+    # 2026-11-23 with `python -m fsdp_pass probe --local-ranks 2` on the idle machine (load average 1.1):
+    # 1 KiB-16 MiB all-gathers fit to alpha 450 us, beta 0.952 GB/s; a 512 x 512 float32 matmul 42.6 GFLOP/s.
+    # (With other jobs on the cores, load average 7: alpha 893 us, beta 0.277 GB/s, 9 GFLOP/s.)
     # "Offloading" to the CPU from the CPU is a copy into fresh memory: a 64 MiB float32 clone ran at 1.0 GB/s
     # (fastest of 5, the test suite running beside it).
     "cpu-gloo": CostInputs(
-        LinkCost(893e-6, 0.277e9), 9e9, "probe, 2 gloo ranks on the 2-core dev machine, busy", 1e9
+        LinkCost(450e-6, 0.952e9), 42.6e9, "probe, 2 gloo ranks on the 2-core dev machine, idle", 1e9
     ),
 }
