@@ -14,9 +14,10 @@ Read off the functional forward trace, before any rewriting:
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
    :func:`~fsdp_pass.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, others one
    per output element).
-4. ``activation_bytes``: those ops' results that a later op reads, except views: an upper bound of what
-   the backward keeps (Thunder's autodiff saves fewer of them, fusion recomputes some). The dry run's
-   traced peak (``explain()``) is the check on it.
+4. ``activation_bytes``: those ops' results that a later op needs for its own gradient (a matmul's input,
+   a product's factor, a normalization's or an activation function's input), views and results read only
+   by sums, copies and re-layouts left out: an estimate of what the backward keeps (Thunder's autodiff may
+   save other tensors, fusion recomputes some). The dry run's traced peak (``explain()``) is the check on it.
 
 No process group, no tensors: a pure function of the trace and the sharding plan, so the planner can be
 tested on hand-made summaries.
@@ -79,14 +80,23 @@ def _pieces_of(inp: PolicyInput) -> list[tuple[str, str, list[str]]]:
     return sorted(out, key=lambda item: inp.first_use[item[2][0]])
 
 
+# ops whose gradient does not read their tensor inputs: a result read only by these is not kept for the backward
+_GRADIENT_NEEDS_NO_INPUT = frozenset(
+    ("add", "sub", "neg", "cat", "reshape", "view", "permute", "transpose", "contiguous", "unsqueeze", "squeeze",
+     "expand", "flatten", "getitem", "split", "chunk", "slice", "to", "type_as", "clone", "sum", "mean",
+     "python_return", "return", "broadcast_in_dim", "convert_element_type")
+)
+
+
 def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int) -> tuple[list[float], list[int]]:
     """FLOPs and kept result bytes of the forward's ops, each charged to the piece whose parameter the
     trace read last before it."""
     flops, acts = [0.0] * n, [0] * n
-    readers: dict[str, int] = {}
+    readers: dict[str, int] = {}  # results read by an op whose gradient needs them
     for bsym in computation.bound_symbols:
-        for p in bsym.flat_proxy_args:
-            readers[p.name] = readers.get(p.name, 0) + 1
+        if str(bsym.sym.name) not in _GRADIENT_NEEDS_NO_INPUT and not is_view_like(bsym):
+            for p in bsym.flat_proxy_args:
+                readers[p.name] = readers.get(p.name, 0) + 1
     current = 0
     for bsym in computation.bound_symbols:
         if is_return(bsym) or is_bookkeeping(bsym):
