@@ -1,7 +1,7 @@
 """What the auto planner predicts for the benchmark's plans, next to what the traces say: the predicted half of
 the README's "predicted vs measured" table (``bench.run`` measures the other half).
 
-    .venv/bin/python -m bench.plan_check [--world 2] [--budget 28MiB] [--cost cpu-gloo]
+    .venv/bin/python -m bench.plan_check [--world 2] [--budget 22MiB] [--cost cpu-gloo]
 
 In one process, dry runs (fake process group, meta device) of the benchmark model at ``--world`` ranks:
 
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--budget", default="28MiB")
+    p.add_argument("--budget", default="22MiB")
     p.add_argument("--cost", default="cpu-gloo", choices=sorted(DEFAULTS))
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")

@@ -107,7 +107,10 @@ def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, re
     ranks = dist.get_world_size(group)
     link = fit_link([(sent_bytes(full, ranks, ALL_GATHER), s) for full, s in points])
     where = f"probe: {ranks} ranks, {dist.get_backend(group)}, {device.type}"
-    return ProbeResult(ranks, tuple(points), CostInputs(link, matmul_flops_per_s(device), where))
+    # the slowest rank's rate: every rank gets the same numbers, so an auto plan made from them is the same
+    rate = torch.tensor([matmul_flops_per_s(device)], dtype=torch.float64)
+    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
+    return ProbeResult(ranks, tuple(points), CostInputs(link, float(rate), where))
 
 
 def _local_rank(rank: int, world: int, port: int, kwargs: dict, results) -> None:

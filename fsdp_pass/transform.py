@@ -17,6 +17,7 @@ Each compile is kept as one frozen :class:`~fsdp_pass.compiled_step.CompiledStep
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import thunder
 from thunder.core.trace import TraceTag
@@ -28,6 +29,7 @@ from fsdp_pass.errors import check
 from fsdp_pass.op_names import COMM_EXECUTOR
 from fsdp_pass.ops.grad_accumulation import GradAccumulators
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
+from fsdp_pass.plan.auto_options import agreed_settings
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
@@ -183,6 +185,9 @@ class FSDP(Transform):
             self.release_original_parameters,
             self.options.offload_to,
         )
+        if self.options.auto is not None:  # every rank plans from rank 0's cost inputs and budget
+            settings = agreed_settings(self.options.auto, self.model.device, groups.everyone)
+            self.options = replace(self.options, auto=settings)
         model._fsdp_pass_plan = self.model.sharding
         remember_shards(model, self.model, released=self.release_original_parameters)
         install_state_dict_methods(model, self)

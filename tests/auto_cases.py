@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch.distributed as dist
 
 from fsdp_pass.plan.auto_plan import smallest_peak
-from fsdp_pass.plan.cost_model import DEFAULTS
+from fsdp_pass.plan.cost_model import DEFAULTS, LinkCost
 from tests import models, rank_cases
 
 
@@ -13,7 +15,11 @@ def auto_parity(model_name: str, steps: int = 3):
     """Plan without a budget, then train with a budget halfway between the smallest peak any plan reaches and
     that plan's: the planner must change the plan to fit, and the step must still equal one process's."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    _, jm, fsdp = rank_cases._reference_and_fsdp_model(model_name, "auto", cost="cpu-gloo")
+    # each rank is given other cost inputs (rank 1 a link 100x slower, which would merge every unit): every rank
+    # must plan with rank 0's, or their collectives would differ
+    own = DEFAULTS["cpu-gloo"]
+    own = replace(own, link=LinkCost(own.link.alpha_s * (1 + 99 * rank), own.link.bytes_per_s), source=f"rank {rank}")
+    _, jm, fsdp = rank_cases._reference_and_fsdp_model(model_name, "auto", cost=own)
     x, y = models.batch(model_name, 2 * world_size, 0)
     n = x.shape[0] // world_size
     models.loss_fn(model_name, jm(x[rank * n : (rank + 1) * n]), y[rank * n : (rank + 1) * n]).backward()
@@ -28,4 +34,5 @@ def auto_parity(model_name: str, steps: int = 3):
         "unbounded_peak": free.auto.prediction.peak_bytes,
         "unbounded_units": [u.name for u in free.units],
         "unbounded_reshard": [u.reshard_after_forward for u in free.units],
+        "unbounded_cost_source": free.auto.cost.source,
     }

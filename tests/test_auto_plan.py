@@ -153,6 +153,8 @@ def test_auto_plan_trains_like_one_process_on_gloo_ranks(ranks):
         assert x["loss_rel_err"] < 1e-5 and x["grad_rel_err"] < 1e-5, x
         assert x["losses"][-1] < x["losses"][0]
         assert x["unit_names"] == r[0]["unit_names"] and x["reshard"] == r[0]["reshard"]
+        # given other cost inputs, every rank planned with rank 0's: the same units
+        assert x["unbounded_cost_source"] == "rank 0" and x["unbounded_units"] == r[0]["unbounded_units"]
     first = r[0]
     assert first["predicted_peak"] <= first["budget"] < first["unbounded_peak"]
     assert (first["unit_names"], first["reshard"]) != (first["unbounded_units"], first["unbounded_reshard"])

@@ -65,4 +65,5 @@ def test_probe_measures_on_two_gloo_ranks(ranks):
     assert all(seconds > 0 for _, seconds in r["points"])
     assert r["alpha"] >= 0 and r["beta"] > 0 and r["flops"] > 0
     assert results[1]["points"] == r["points"]  # the slowest rank's times: the same numbers on every rank
+    assert results[1]["flops"] == r["flops"]  # the slowest rank's matmul rate: an auto plan made from them agrees
     assert "time = alpha + sent/beta" in r["text"] and "fitted ms" in r["text"]

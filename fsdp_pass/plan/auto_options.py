@@ -10,7 +10,8 @@ the options the other stages read, as if the user had written them.
 3. The plan's units become a unit policy (:class:`PlannedUnits`), its resharding a ``reshard_after_forward``
    function of the unit's name, its prefetch depth a :class:`~fsdp_pass.plan.schedule.Schedule`.
 
-Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to`` given the plan
+When the model is sharded, every rank takes rank 0's settings (:func:`agreed_settings`), so every rank plans
+the same. Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to`` given the plan
 offloads; without it, a plan that needs offload is an FSDPError saying to pass ``offload_to="cpu"``.
 """
 
@@ -19,11 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from fsdp_pass.errors import fail
+from fsdp_pass.groups import has_peers
 from fsdp_pass.plan.auto_plan import AutoPlan, plan_step
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
-from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.options import AutoSettings, FSDPOptions
 from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.step_summary import summarize
@@ -57,6 +60,23 @@ def _device_defaults(device) -> tuple[CostInputs, int | None]:
     if device.type == "cuda":
         return DEFAULTS["h100-nvlink"], torch.cuda.get_device_properties(device).total_memory
     return DEFAULTS["cpu-gloo"], None
+
+
+def agreed_settings(settings: AutoSettings, device, group) -> AutoSettings:
+    """``settings`` with the device's defaults filled in, and rank 0's on every rank of ``group`` (collective): a
+    plan is a function of these and of the trace, so every rank plans the same collectives (the cost inputs of a
+    probe, or a device's memory, could differ between ranks by a little)."""
+    default_cost, default_budget = _device_defaults(device)
+    settings = replace(
+        settings,
+        cost=settings.cost or default_cost,
+        memory_budget=settings.memory_budget if settings.memory_budget is not None else default_budget,
+    )
+    if has_peers(group):
+        box = [settings]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        settings = box[0]
+    return settings
 
 
 def options_from_auto_plan(computation, param_of_arg: dict[str, str], model, options: FSDPOptions):
