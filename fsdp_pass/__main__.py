@@ -117,7 +117,6 @@ def explain_command(ns) -> int:
         precision = MixedPrecision(_DTYPES[ns.param_dtype], _DTYPES[ns.reduce_dtype], output_dtype=torch.float32)
     world_size = ns.mesh[0] * ns.mesh[1] if ns.mesh else ns.world_size
     strategy = ns.strategy or ("auto" if ns.memory_budget else "zero3")
-    chosen = {}
     if strategy == "auto":
         chosen = {"memory_budget": ns.memory_budget, "cost": ns.cost}
     else:
@@ -150,7 +149,8 @@ def explain_command(ns) -> int:
     if ns.out:
         written = run.write(ns.out)
         print("\nwrote " + ", ".join(str(p) for p in written))
-    return 0
+    auto, peak = run.explanation.plan.auto, run.explanation.memory.peak  # the traced peak over the budget: exit 3
+    return 3 if auto is not None and auto.budget is not None and peak is not None and peak > auto.budget else 0
 
 
 def main(argv=None) -> int:

@@ -158,3 +158,13 @@ def test_auto_plan_trains_like_one_process_on_gloo_ranks(ranks):
     first = r[0]
     assert first["predicted_peak"] <= first["budget"] < first["unbounded_peak"]
     assert (first["unit_names"], first["reshard"]) != (first["unbounded_units"], first["unbounded_reshard"])
+
+
+def test_cli_exits_non_zero_naming_the_smallest_budget_that_fits(capsys):
+    from fsdp_pass.__main__ import main
+
+    argv = ["explain", "--world-size", "8", "--model", "tiny", "--memory-budget", "100KiB", "--cost", "cpu-gloo"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "No plan fits memory_budget=100.0 KiB: the smallest predicted peak is" in err
+    assert "What to do: Pass memory_budget >=" in err

@@ -161,7 +161,8 @@ class Explanation:
         if traced is not None:
             verdict = "" if auto.budget is None else (
                 f": within the {human_bytes(auto.budget)} budget" if traced <= auto.budget
-                else f": OVER the {human_bytes(auto.budget)} budget (the planner's estimate was too low)")
+                else f": OVER the {human_bytes(auto.budget)} budget by {human_bytes(traced - auto.budget)} (the planner's "
+                "estimate was too low: plan with a smaller budget)")
             lines.append(f"the traced step peaks at {human_bytes(traced)} (the planner predicted "
                          f"{human_bytes(auto.prediction.peak_bytes)}){verdict}")
         return lines
