@@ -9,7 +9,11 @@
    the neighbours too).
 2. :func:`fsdp_pass.plan.cost_model.fit_link` fits ``seconds = alpha + sent / beta`` to (bytes each rank
    sent, seconds): the latency every collective pays, the bandwidth large ones reach.
-3. A square float32 matmul on the device, timed: the rate compute runs at.
+3. A square float32 matmul on the device, timed: the rate compute runs at (the slowest rank's).
+4. A 4 MiB all-gather alone, matmuls of about as long alone, then both at once: the share of the gather's
+   time the compute hides (``CostInputs.overlap``; on a CPU whose cores run both, well below 1).
+
+Every rank gets the same numbers (each is agreed over the group), so plans made from them agree too.
 
 The result prints as a table of measured against fitted times, so a reader sees how well two numbers
 describe the link.
@@ -53,6 +57,7 @@ class ProbeResult:
             f"{self.ranks} ranks: time = alpha + sent/beta with {self.link}",
             *table,
             f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
+            f"overlap: compute beside a 4 MiB all-gather hides {self.cost.overlap:.0%} of its time",
         ])
 
 
@@ -99,6 +104,46 @@ def matmul_flops_per_s(device, n: int = 512, repeats: int = 5) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3) -> float:
+    """The share of an all-gather's time that a matmul running beside it hides, on the slowest rank: time the
+    gather alone, matmuls of about as long alone, then both at once (the gather issued asynchronously);
+    ``(gather + compute - both) / min(gather, compute)``, between 0 and 1."""
+    ranks = dist.get_world_size(group)
+    part = torch.ones(max(nbytes // 4 // ranks, 1), device=device)
+    out = torch.empty(part.numel() * ranks, device=device)
+    a = torch.randn(256, 256, device=device)
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    gather = timed(lambda: dist.all_gather_into_tensor(out, part, group=group))
+    one = timed(lambda: a @ a)
+    n = max(int(gather / max(one, 1e-9)), 1)
+
+    def compute():
+        for _ in range(n):
+            a @ a
+
+    def both():
+        work = dist.all_gather_into_tensor(out, part, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    alone = timed(compute)
+    together = timed(both)
+    share = torch.tensor([(gather + alone - together) / min(gather, alone)], dtype=torch.float64)
+    dist.all_reduce(share, op=dist.ReduceOp.MIN, group=group)
+    return min(max(float(share), 0.0), 1.0)
+
+
 def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, repeats: int = 5, device=None):
     """Collective: every rank of ``group`` (the default group if None) calls it. Returns a ProbeResult."""
     group = group if group is not None else dist.group.WORLD
@@ -110,7 +155,8 @@ def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, re
     # the slowest rank's rate: every rank gets the same numbers, so an auto plan made from them is the same
     rate = torch.tensor([matmul_flops_per_s(device)], dtype=torch.float64)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
-    return ProbeResult(ranks, tuple(points), CostInputs(link, float(rate), where))
+    overlap = overlap_share(group, device)
+    return ProbeResult(ranks, tuple(points), CostInputs(link, float(rate), where, overlap=overlap))
 
 
 def _local_rank(rank: int, world: int, port: int, kwargs: dict, results) -> None:

@@ -118,6 +118,18 @@ def test_step_model_prefetch_hides_gathers_behind_compute():
     assert prefetch.exposed_s >= gather  # the first gather of the step is always waited for
 
 
+def test_communication_beside_compute_slows_it_by_the_share_it_does_not_hide():
+    s = summary(sizes_mib=(40,) * 4, flops=4e11)
+    hidden = CostInputs(LinkCost(10e-6, 20e9), 1e12, "hand-made")
+    shared = replace(hidden, overlap=0.0)  # communication and compute share the cores: nothing hides
+    plan = per_block(s, [True, True, True, False])
+    a, b = predict(s, plan, hidden), predict(s, plan, shared)
+    comm = 7 * hidden.link.seconds(40 * MiB, RANKS, "all_gather") + 4 * hidden.link.seconds(40 * MiB, RANKS,
+                                                                                               "reduce_scatter")
+    assert a.step_s < a.compute_s + comm  # most of it hidden
+    assert b.step_s == pytest.approx(b.compute_s + comm)  # all of it paid
+
+
 def test_options_refuse_what_auto_chooses_and_read_sizes():
     assert parse_bytes("20GiB") == 20 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes(7) == 7
     with pytest.raises(FSDPError, match="not a size in bytes"):

@@ -52,18 +52,20 @@ def test_defaults_say_where_they_come_from():
 
 
 def probe_small():
-    """On every rank: the probe on small sizes (a few seconds)."""
-    result = probe(max_bytes=256 << 10, repeats=2)
+    """On every rank: the probe on small sizes (a few seconds); up to 1 MiB, so the bandwidth shows above the noise
+    of a busy host."""
+    result = probe(max_bytes=1 << 20, repeats=2)
     return {"points": result.points, "alpha": result.link.alpha_s, "beta": result.link.bytes_per_s,
-            "flops": result.cost.flops_per_s, "text": str(result)}
+            "flops": result.cost.flops_per_s, "overlap": result.cost.overlap, "text": str(result)}
 
 
 def test_probe_measures_on_two_gloo_ranks(ranks):
     results = ranks(2).run(probe_small)
     r = results[0]
-    assert [full for full, _ in r["points"]] == [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18]
+    assert [full for full, _ in r["points"]] == [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20]
     assert all(seconds > 0 for _, seconds in r["points"])
     assert r["alpha"] >= 0 and r["beta"] > 0 and r["flops"] > 0
     assert results[1]["points"] == r["points"]  # the slowest rank's times: the same numbers on every rank
     assert results[1]["flops"] == r["flops"]  # the slowest rank's matmul rate: an auto plan made from them agrees
+    assert 0 <= r["overlap"] <= 1 and results[1]["overlap"] == r["overlap"]
     assert "time = alpha + sent/beta" in r["text"] and "fitted ms" in r["text"]

@@ -11,8 +11,9 @@ the options the other stages read, as if the user had written them.
    function of the unit's name, its prefetch depth a :class:`~fsdp_pass.plan.schedule.Schedule`.
 
 When the model is sharded, every rank takes rank 0's settings (:func:`agreed_settings`), so every rank plans
-the same. Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to`` given the plan
-offloads; without it, a plan that needs offload is an FSDPError saying to pass ``offload_to="cpu"``.
+the same. Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to``
+given the plan offloads; without it, a plan that needs offload is an FSDPError saying to pass
+``offload_to="cpu"``.
 """
 
 from __future__ import annotations

@@ -80,12 +80,16 @@ class CostInputs:
     source: str  # where the numbers come from
     # bytes per second between the device and where offloaded shards live (one direction); None: not measured
     host_bytes_per_s: float | None = None
+    # the share of a collective's time that compute running beside it hides: 1 when the two do not slow each
+    # other (a GPU's copy engines and spare SMs), less where they share the same cores (gloo on a busy CPU)
+    overlap: float = 1.0
 
     def compute_seconds(self, flops: float) -> float:
         return flops / self.flops_per_s
 
     def __str__(self) -> str:
-        return f"{self.link}; matmul {self.flops_per_s / 1e12:.3g} TFLOP/s ({self.source})"
+        hides = "" if self.overlap >= 1 else f", compute hides {self.overlap:.0%} of a collective beside it"
+        return f"{self.link}; matmul {self.flops_per_s / 1e12:.3g} TFLOP/s{hides} ({self.source})"
 
 
 DEFAULTS = {

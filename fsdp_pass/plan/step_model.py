@@ -16,7 +16,9 @@ program order (as one CUDA stream each, or gloo's worker), as the scheduled trac
    followed by the copy of its gradient shard back, on the communication queue.
 
 A gather or reduce-scatter costs the link's ``alpha + sent / beta``; compute costs FLOPs / the device rate.
-The step ends when both queues are done; what is not compute is *exposed* communication.
+The step ends when both queues are done; what is not compute is *exposed* communication. Where the two
+queues share the same cores (``CostInputs.overlap`` below 1: gloo's threads and the compute on one CPU), the
+communication that ran beside compute slows it by the share it does not hide.
 
 Memory, per rank, at the start of each unit's forward and backward:
 
@@ -142,7 +144,11 @@ def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs)
             compute = max(compute, reduced[-REDUCE_SCATTERS_IN_FLIGHT])
         comm = max(comm, compute) + units[j].reduce_s + _host_copy_s(units[j].shard, cost, off)
         reduced.append(comm)
-    return max(compute, comm)
+    both_done = max(compute, comm)
+    communication = sum(u.gather_s * (2 if r else 1) + u.reduce_s for u, r in zip(units, candidate.reshard))
+    communication += sum(2 * _host_copy_s(u.shard, cost, off) for u in units)
+    beside_compute = max(communication - (both_done - sum(3 * u.forward_s for u in units)), 0.0)
+    return both_done + (1 - cost.overlap) * beside_compute
 
 
 def peak_of(units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int) -> tuple[int, str]:
