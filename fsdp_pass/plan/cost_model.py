@@ -101,13 +101,15 @@ DEFAULTS = {
     "h100-nvlink": CostInputs(
         LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5", 50e9
     ),
-    # this project's 2-core development machine, 2 gloo ranks on loopback (one thread each), measured on
-    # 2026-11-23 with `python -m fsdp_pass probe --local-ranks 2` on the idle machine (load average 1.1):
-    # 1 KiB-16 MiB all-gathers fit to alpha 450 us, beta 0.952 GB/s; a 512 x 512 float32 matmul 42.6 GFLOP/s.
-    # (With other jobs on the cores, load average 7: alpha 893 us, beta 0.277 GB/s, 9 GFLOP/s.)
+    # this project's 2-core development machine, 2 gloo ranks on loopback (one thread each), idle (load average
+    # 0.3), 2026-11-24, `python -m fsdp_pass probe --local-ranks 2` three times: alpha 313 / 267 / 195 us, beta
+    # 1.19 / 0.885 / 1.21 GB/s, a 512 x 512 float32 matmul 89.9 / 76.7 / 89.2 GFLOP/s, compute beside a 4 MiB
+    # all-gather hides 15 / 0 / 0 % of it (gloo's threads and the compute share the two cores): the medians.
+    # Four ranks on the two cores: alpha 1.44 ms, beta 0.666 GB/s, 46.5 GFLOP/s, overlap 0 %. With other jobs on
+    # the cores (load average 7): alpha 893 us, beta 0.277 GB/s, 9 GFLOP/s.
     # "Offloading" to the CPU from the CPU is a copy into fresh memory: a 64 MiB float32 clone ran at 1.0 GB/s
     # (fastest of 5, the test suite running beside it).
     "cpu-gloo": CostInputs(
-        LinkCost(450e-6, 0.952e9), 42.6e9, "probe, 2 gloo ranks on the 2-core dev machine, idle", 1e9
+        LinkCost(267e-6, 1.19e9), 89.2e9, "probe, 2 gloo ranks on the 2-core dev machine, idle", 1e9, overlap=0.0
     ),
 }
