@@ -6,16 +6,23 @@ moving data, so traces can be built, printed and counted at world size 64 on a l
 under it is a real result.
 
 ``free_port()`` and ``init_local_gloo(rank, world_size, port, timeout_s)`` join ranks spawned on this
-machine into one gloo group (the timeline, the test pool, the benchmark and the notebooks use them).
+machine into one gloo group (the timeline, the test pool, the benchmark and the notebooks use them);
+``run_on_local_ranks(fn, world_size, ...)`` spawns the ranks, runs ``fn`` on each in that group and returns
+every rank's result.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import pickle
 import socket
+import tempfile
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from fsdp_pass.errors import check
 
@@ -55,6 +62,37 @@ def init_local_gloo(rank: int, world_size: int, port: int, timeout_s: float) -> 
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def _local_rank(rank, fn, world_size, port, timeout_s, args, kwargs, result_dir):
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    init_local_gloo(rank, world_size, port, timeout_s)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_on_local_ranks(fn, world_size: int, *args, timeout_s: float = 120, **kwargs) -> list:
+    """Spawn ``world_size`` processes on this machine, join them in a gloo group (the default group, one CPU
+    thread each), run ``fn(*args, **kwargs)`` on every one and return the results, rank 0's first. ``fn``
+    must be importable by name (spawned processes import it), its result picklable. A rank that raises
+    raises here, with its traceback; a collective waiting longer than ``timeout_s`` for a peer fails."""
+    with tempfile.TemporaryDirectory() as result_dir:
+        mp.start_processes(
+            _local_rank,
+            args=(fn, world_size, free_port(), timeout_s, args, kwargs, result_dir),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(result_dir, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
 
 
 def has_peers(group) -> bool:

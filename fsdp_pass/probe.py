@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from fsdp_pass.groups import free_port, init_local_gloo
+from fsdp_pass.groups import run_on_local_ranks
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.plan.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
 from fsdp_pass.text import format_table, human_bytes
@@ -159,29 +158,9 @@ def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, re
     return ProbeResult(ranks, tuple(points), CostInputs(link, float(rate), where, overlap=overlap))
 
 
-def _local_rank(rank: int, world: int, port: int, kwargs: dict, results) -> None:
-    torch.set_num_threads(1)
-    init_local_gloo(rank, world, port, timeout_s=300)
-    try:
-        result = probe(**kwargs)
-        if rank == 0:
-            results.put(result)
-    finally:
-        dist.destroy_process_group()
-
-
 def probe_local_ranks(world: int, **kwargs) -> ProbeResult:
     """:func:`probe` on ``world`` gloo ranks spawned on this machine (one CPU thread each)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_local_rank, args=(r, world, port, kwargs, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = results.get(timeout=600)
-    for p in procs:
-        p.join()
-    return result
+    return run_on_local_ranks(probe, world, timeout_s=300, **kwargs)[0]
 
 
 def add_parser(commands) -> None:

@@ -25,9 +25,6 @@ compete with the compute for CPU time.
 from __future__ import annotations
 
 import math
-import os
-import pickle
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,12 +32,11 @@ from dataclasses import dataclass
 import thunder
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fsdp_pass_executors import WAIT_CLOCK, executors_for
 
 from fsdp_pass.compiled_step import PHASES, CompiledStep
 from fsdp_pass.demo import TinyLM, counting_batch
-from fsdp_pass.groups import free_port, init_local_gloo
+from fsdp_pass.groups import run_on_local_ranks
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER, CollectiveKind
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.predicates import collective_kind, collectives
@@ -48,6 +44,7 @@ from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.text import format_table
 from fsdp_pass.transform import FSDP
 from fsdp_pass.zoo import lm_loss
+
 KIND_COLORS = {ALL_GATHER: "tab:blue", REDUCE_SCATTER: "tab:orange"}
 _SEQ, _VOCAB = 32, 64  # TinyLM's defaults: block size and vocabulary
 
@@ -209,34 +206,12 @@ def step_timelines(
     }
 
 
-def _spawned_rank(rank, world_size, port, result_path, timeout_s, schedules, kwargs):
-    torch.set_num_threads(1)
-    init_local_gloo(rank, world_size, port, timeout_s)
-    try:
-        timelines = step_timelines(schedules, **kwargs)
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        with open(result_path, "wb") as f:
-            pickle.dump(timelines, f)
-
-
 def record_timelines(
     schedules: dict[str, Schedule | None], world_size: int = 2, timeout_s: int = 120, **kwargs
 ) -> dict[str, StepTimeline]:
     """Spawn ``world_size`` gloo ranks on this machine, run :func:`step_timelines` on them (``kwargs``
     go there) and return rank 0's timelines. A rank that fails raises here, with its traceback."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "timelines.pkl")
-        mp.start_processes(
-            _spawned_rank,
-            args=(world_size, free_port(), result_path, timeout_s, schedules, kwargs),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        with open(result_path, "rb") as f:
-            return pickle.load(f)
+    return run_on_local_ranks(step_timelines, world_size, schedules, timeout_s=timeout_s, **kwargs)[0]
 
 
 # ------------------------------------------------------------------------------------------- tables
