@@ -13,7 +13,7 @@ from fsdp_pass import FSDP, FSDPError, explain, fake_process_group, zoo
 from fsdp_pass.__main__ import main
 from fsdp_pass.predicates import is_all_gather
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.report.memory import GATHERED, KINDS, step_memory
+from fsdp_pass.report.memory import GATHERED, KINDS, live_by_kind_over_step, live_over_step, step_memory
 from fsdp_pass.text import human_bytes, human_count
 from tests import explain_cases
 from tests.dry_runs import model_dry_run
@@ -210,3 +210,11 @@ def test_peak_is_split_into_kinds_that_add_up_and_the_gathered_peak_says_what_it
     text = str(e)
     assert f"Gathered parameters at most {human_bytes(g.bytes)} at once (in the {g.phase}, at op {g.at}" in text
     assert f"{human_bytes(step.peak_bytes)}  (in the {step.peak_phase}, at op {step.peak_trace.peak_at}: " in text
+    # over the whole step: the kinds' curves add up to the total at every op, and peak where the step does
+    dry = model_dry_run(8, strategy)
+    by_kind = live_by_kind_over_step(dry.forward, dry.backward)
+    total = live_over_step(dry.forward, dry.backward)
+    assert set(by_kind) == set(KINDS) and len(total) == len(dry.forward.bound_symbols) + len(dry.backward.bound_symbols)
+    assert [sum(kinds) for kinds in zip(*by_kind.values())] == total
+    assert max(total) == step.peak_bytes
+    assert max(by_kind[GATHERED]) == g.bytes

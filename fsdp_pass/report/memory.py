@@ -377,8 +377,18 @@ def live_over_step(forward, backward, gathered_only: bool = False) -> list[int]:
 
     ``gathered_only``: only gathered parameters, including those the forward saved for the backward.
     """
-    m = step_memory(forward, backward)
     keep = (lambda b: b.kind == GATHERED) if gathered_only else (lambda b: True)
+    return _live_over_step(step_memory(forward, backward), forward, backward, keep)
+
+
+def live_by_kind_over_step(forward, backward) -> dict[str, list[int]]:
+    """Kind (:data:`KINDS`) -> bytes of that kind live at each op of the forward, then of the backward: the
+    layers of a stacked plot of the step's memory (they add up to :func:`live_over_step`)."""
+    m = step_memory(forward, backward)
+    return {kind: _live_over_step(m, forward, backward, lambda b, k=kind: b.kind == k) for kind in KINDS}
+
+
+def _live_over_step(m: StepMemory, forward, backward, keep) -> list[int]:
     out = m.forward.live_per_op(len(forward.bound_symbols), keep)
     if backward is not None:
         out += m.backward.live_per_op(len(backward.bound_symbols), keep)
