@@ -10,6 +10,10 @@ RMSNorm, SwiGLU MLP) -> final RMSNorm -> lm_head (not tied). No biases, no posit
 adds no parameters and no communication; causal attention alone still learns the benchmark's toy
 language). :class:`WithLoss` puts the cross-entropy inside the module, so the traces (and the memory
 predicted from them) cover the whole step.
+
+:class:`ResidualMLP` is the simplest model with repeated blocks (residual two-layer MLPs, a linear head, a
+mean-squared-error loss inside), which Thunder traces in a fraction of the LM's time: the mental-model
+notebook runs it on real ranks and in dry runs.
 """
 
 from __future__ import annotations
@@ -112,6 +116,37 @@ class WithLoss(nn.Module):
 
     def forward(self, idx, targets):
         return lm_loss(self.model(idx), targets)
+
+
+class ResidualMLP(nn.Module):
+    """``n_block`` blocks ``x + fc2(tanh(fc1(x)))`` and a linear head; ``forward(x, y)`` -> the mean squared error."""
+
+    def __init__(self, d: int = 256, hidden: int = 1024, n_block: int = 8, n_out: int = 16):
+        super().__init__()
+        self.blocks = nn.ModuleList(_MLPBlock(d, hidden) for _ in range(n_block))
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(self.head(x), y)
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d, hidden)
+        self.fc2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def regression_batch(model: ResidualMLP, rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` random inputs and targets for ``model``, the same for every ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    d, n_out = model.head.in_features, model.head.out_features
+    return torch.randn(rows, d, generator=g), torch.randn(rows, n_out, generator=g)
 
 
 def lm_loss(logits, targets):
