@@ -34,7 +34,7 @@ def _code_cells(path: Path) -> list:
 
 def test_the_tutorials_are_there():
     names = [p.name for p in NOTEBOOKS]
-    for prefix in ("00_", "01_", "02_", "03_", "04_"):
+    for prefix in ("00_", "01_", "02_", "03_", "04_", "05_"):
         assert any(n.startswith(prefix) for n in names), f"no notebooks/{prefix}*.ipynb (found {names})"
 
 
