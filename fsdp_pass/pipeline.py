@@ -99,7 +99,8 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
             for name, (unit, kind) in found.items()
             if phase == "forward" and kind is ALL_GATHER and not unit.reshard_after_forward
         )
-        trace = schedule_collectives(trace, options.schedule, kept)
+        unit_of = {name: unit.name for name, (unit, _) in found.items()}
+        trace = schedule_collectives(trace, options.schedule, kept, unit_of)
     check_collective_lifetimes(trace)
     if options.verify_ranks and step_key is not None and has_peers(group):
         record_step_collectives(step_key, group, phase, trace, found)

@@ -109,13 +109,50 @@ def test_tight_budget_turns_on_offload_before_it_fails():
 def test_step_model_prefetch_hides_gathers_behind_compute():
     s = summary(sizes_mib=(40,) * 4, flops=4e11)
     link = CostInputs(LinkCost(10e-6, 20e9), 1e12, "hand-made")
-    kept = [False] * 4
-    no_prefetch = predict(s, replace(per_block(s, kept), prefetch=0), link)
-    prefetch = predict(s, per_block(s, kept), link)
+    zero3 = [True, True, True, False]
+    no_prefetch = predict(s, replace(per_block(s, zero3), prefetch=0), link)
+    prefetch = predict(s, per_block(s, zero3), link)
     assert prefetch.compute_s == no_prefetch.compute_s
     assert prefetch.exposed_s < no_prefetch.exposed_s
     gather = link.link.seconds(40 * MiB, RANKS, "all_gather")
     assert prefetch.exposed_s >= gather  # the first gather of the step is always waited for
+
+
+def test_step_model_issues_gathers_where_the_schedule_does():
+    """The backward's prefetch counts gathers, not units (as ``schedule_collectives`` issues them): a lone
+    resharded unit's gather is issued at the top of the backward and held through the backward of every kept
+    unit after it, so resharding it saves nothing, unless its own depth is 0 (issued when needed)."""
+    s = summary(sizes_mib=(20, 60, 20, 20, 20), act_mib=30, flops=4e10)
+    link = CostInputs(LinkCost(10e-6, 20e9), 1e12, "hand-made")
+    zero2 = predict(s, per_block(s, [False] * 5), link)
+    only_b1 = per_block(s, [False, True, False, False, False])
+    early = predict(s, only_b1, link)
+    assert (early.peak_bytes, early.peak_at) == (zero2.peak_bytes, "backward of b4.p0")
+    late = predict(s, replace(only_b1, depths=(1, 0, 1, 1, 1)), link)
+    assert late.peak_bytes < zero2.peak_bytes and late.peak_at == "backward of b1.p0"
+    assert late.step_s > early.step_s  # its gather no longer overlaps compute
+    # the forward: the leading units kept for the backward are all gathered at the top, whatever the depth
+    assert predict(s, replace(per_block(s, [False] * 5), prefetch=0), link).step_s == zero2.step_s
+
+
+def test_units_get_prefetch_depths_of_their_own_where_that_is_faster_within_the_budget():
+    s = summary(sizes_mib=(20, 60, 20, 20, 20), act_mib=30, flops=4e10)
+    link = CostInputs(LinkCost(10e-6, 20e9), 1e12, "hand-made")
+    budget = 360 * MiB  # the big unit must be gathered late, the others can be prefetched
+    plan = plan_step(s, link, budget, offload=False)
+    assert plan.prediction.peak_bytes <= budget and plan.prefetch_by_unit
+    uniform = predict(s, replace(plan.candidate, depths=()), link)
+    assert plan.prediction.step_s < uniform.step_s
+    for d in range(3):  # no single depth for all does as well within the budget
+        try:
+            others = plan_step(s, link, budget, offload=False, prefetch_depths=(d,))
+        except FSDPError:
+            continue  # nothing fits with depth d for every unit
+        same = predict(s, replace(others.candidate, depths=()), link)
+        assert same.peak_bytes > budget or same.step_s > plan.prediction.step_s
+    text = str(plan)
+    assert "unit(s) their own" in text
+    assert any(f"{n} prefetch {d} (was" in text for n, d in plan.prefetch_by_unit.items())
 
 
 def test_communication_beside_compute_slows_it_by_the_share_it_does_not_hide():
@@ -157,6 +194,7 @@ def test_dry_run_prints_the_plan_its_reasons_and_the_traced_peak_against_the_bud
     text = str(run)
     assert "Auto plan over 4 ranks" in text and "why:" in text and "predicted step" in text
     assert f"the traced step peaks at {human_bytes(run.memory.peak)}" in text
+    assert run.memory.peak <= budget and "OVER the" not in text  # the traced step fits, not only the model
 
 
 def test_auto_plan_trains_like_one_process_on_gloo_ranks(ranks):

@@ -89,6 +89,7 @@ def test_explain_lists_only_the_options_set_and_notes_that_apply():
     assert "no_sync" not in text and not plain.no_sync
     assert text.split("\nNotes:\n")[1].splitlines() == [f"  {n}" for n in plain.notes]
     assert len(plain.notes) == 1 and plain.notes[0].startswith("clipping: fsdp_pass.clip_grad_norm_")
+    assert plain.memory.step.output_grad_bytes == 4  # the loss is inside: the backward receives one float
 
     asked = plain.with_no_sync()
     accumulators = [n for n in asked.notes if n.startswith("no_sync accumulators")]
@@ -218,3 +219,21 @@ def test_peak_is_split_into_kinds_that_add_up_and_the_gathered_peak_says_what_it
     assert [sum(kinds) for kinds in zip(*by_kind.values())] == total
     assert max(total) == step.peak_bytes
     assert max(by_kind[GATHERED]) == g.bytes
+
+
+def test_a_loss_outside_the_model_is_counted_and_noted():
+    """The tests' Llama returns its logits: their gradient, which the autograd engine hands the backward and
+    holds until it returns, is in the peak, and a note says that the loss's own backward is not traced."""
+    from fsdp_pass.report.explain import explain_step
+    from fsdp_pass.report.memory import cotangents
+    from tests.llama_steps import shared_step
+
+    _, backward, fsdp = shared_step("zero3")
+    e = explain_step(fsdp.compiled_step)
+    (logits_grad,) = cotangents(backward)
+    nbytes = logits_grad.numel * logits_grad.dtype.bytes
+    assert e.memory.step.output_grad_bytes == nbytes > 1024
+    held = [b for b in e.memory.step.backward.buffers if b.op == "cotangent"]
+    assert [(b.start, b.end) for b in held] == [(-1, len(backward.bound_symbols))]  # live through the backward
+    (note,) = [n for n in e.notes if n.startswith("loss outside the model")]
+    assert human_bytes(nbytes) in note and note in str(e)

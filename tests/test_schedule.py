@@ -58,6 +58,7 @@ def compiled():
         "bounded": Schedule(prefetch=2, max_unused_bytes=limit, reduce_scatters_in_flight=1),
         "prefetch0": Schedule(prefetch=0),
         "everything_first": Schedule(prefetch=8),  # every gather at the top
+        "layers1_own_depth": Schedule(prefetch=1, prefetch_by_unit={"layers.1": 0, "layers.2": 2}),
     }.items():
         other = reschedule(step, schedule)
         out[name] = (other.forward, other.backward, other)
@@ -205,6 +206,25 @@ def test_deeper_prefetch_and_the_byte_bound(compiled):
     assert max_in_flight(forward, is_all_gather, nbytes) > limit  # the bound changed something
 
 
+@pytest.mark.parametrize("phase", [0, 1])
+def test_a_unit_with_a_prefetch_depth_of_its_own(compiled, phase):
+    """layers.1 is gathered right before its use, layers.2 two gathers ahead; the others one ahead, as by default."""
+    trace, step = compiled["layers1_own_depth"][phase], compiled["layers1_own_depth"][2]
+    gathers = gathers_by_first_use(trace)
+    unit = [step.unit_of_collective[trace.bound_symbols[c].output.name] for c in gathers]
+    assert {"layers.1", "layers.2"} <= set(unit)
+    for k, c in enumerate(gathers):
+        if unit[k] == "layers.1":
+            assert not compute_between(trace, c, wait_of(trace, c)), "depth 0: issued right before its wait"
+        elif unit[k] == "layers.2" and k >= 2:
+            w = wait_of(trace, gathers[k - 2])  # issued right after the wait two gathers earlier
+            assert w < c and not compute_between(trace, w, c)
+        elif k >= 1 and unit[k - 1] != "layers.1":
+            w = wait_of(trace, gathers[k - 1])
+            assert w < c and not compute_between(trace, w, c)
+            assert compute_between(trace, c, wait_of(trace, c)), "the others still overlap compute"
+
+
 def test_peak_gathered_memory_is_bounded_by_units_not_the_model(compiled):
     fwd, bwd, fsdp = compiled["default"]
     peak = step_stats(fwd, bwd, WORLD).peak_gathered_bytes
@@ -312,6 +332,10 @@ def test_schedule_settings_are_checked():
         Schedule(max_unused_bytes=0)
     with pytest.raises(FSDPError, match="reduce_scatters_in_flight"):
         Schedule(reduce_scatters_in_flight=0)
+    with pytest.raises(FSDPError, match="prefetch_by_unit"):
+        Schedule(prefetch_by_unit={"layers.0": -1})
+    assert Schedule(prefetch_by_unit={"b": 2, "a": 0}).prefetch_by_unit == (("a", 0), ("b", 2))
+    assert Schedule(prefetch_by_unit={"b": 2}).prefetch_of("b") == 2 and Schedule().prefetch_of("b") == 1
     with pytest.raises(FSDPError, match="not a schedule"):
         FSDP("zero3", schedule="fast")
     assert FSDP("zero3", schedule=2).options.schedule == Schedule(prefetch=2)

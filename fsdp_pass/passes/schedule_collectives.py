@@ -10,7 +10,9 @@ every rank, and every recompile, issues the same collectives in the same order.
 2. Waits: each wait, with the shape ops that only cut its result into pieces, sits right before the
    first other op that reads any of it.
 3. All-gathers, in the order of their first use: gather ``k`` is issued right after the wait of gather
-   ``k - prefetch`` (at the top for the first ``prefetch`` ones), i.e. while the unit before it computes.
+   ``k - prefetch`` (at the top for the first ``prefetch`` ones), i.e. while the unit before it computes;
+   ``prefetch`` is the depth of the gather's unit (``Schedule.prefetch_of``; the units are read off the ops
+   feeding the gathers, ``unit_of``), 0 issues it right before its own wait.
    If the gathered bytes issued but not used yet would exceed ``max_unused_bytes``, it is issued after
    a later wait instead (never later than the wait before its own). Exception: the leading gathers
    whose units stay gathered for the backward (``kept``; all of them under ZeRO-2) are all issued at
@@ -64,17 +66,17 @@ def _nbytes(proxy) -> int:
     return proxy.numel * proxy.dtype.bytes
 
 
-def _gather_issue_keys(wait_key, sizes, schedule: Schedule, leading_kept: int) -> list[tuple]:
-    """Step 3: the sort key of each gather's issue (gathers in order of first use)."""
+def _gather_issue_keys(wait_key, sizes, depths, schedule: Schedule, leading_kept: int) -> list[tuple]:
+    """Step 3: the sort key of each gather's issue (gathers in order of first use, ``depths`` their prefetch)."""
     keys = []
     for k in range(len(sizes)):
         if k < leading_kept:
             keys.append((_EARLIEST, k))  # kept for the backward anyway: no memory saved by waiting
             continue
-        if schedule.prefetch == 0:
+        if depths[k] == 0:
             keys.append((wait_key[k][0] - 0.25, k))  # just before its own wait
             continue
-        j = k - schedule.prefetch  # issue right after the wait of gather j (j < 0: at the top)
+        j = k - depths[k]  # issue right after the wait of gather j (j < 0: at the top)
         limit = schedule.max_unused_bytes
         while limit is not None and j < k - 1 and sum(sizes[max(j + 1, 0) : k + 1]) > limit:
             j += 1
@@ -82,8 +84,10 @@ def _gather_issue_keys(wait_key, sizes, schedule: Schedule, leading_kept: int) -
     return keys
 
 
-def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = frozenset()):
-    """``kept``: output names of the all-gathers whose units stay gathered for the backward."""
+def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = frozenset(), unit_of=None):
+    """``kept``: output names of the all-gathers whose units stay gathered for the backward; ``unit_of``: output
+    name of a collective -> its unit's name (for ``Schedule.prefetch_by_unit``)."""
+    unit_of = unit_of or {}
     bsyms = _without_lifetimes(trace.bound_symbols)
     had_clears = any(b.sym is clear_mutable_collection for b in trace.bound_symbols)  # a backward trace
     producer, consumers = graph(bsyms)
@@ -114,7 +118,8 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
             leading_kept += 1
     wait_keys = [key[wait_group[c][0]] for c in gathers]
     sizes = [_nbytes(bsyms[c].output) for c in gathers]
-    issue_key = dict(zip(gathers, _gather_issue_keys(wait_keys, sizes, schedule, leading_kept)))
+    depths = [schedule.prefetch_of(unit_of.get(bsyms[c].output.name)) for c in gathers]
+    issue_key = dict(zip(gathers, _gather_issue_keys(wait_keys, sizes, depths, schedule, leading_kept)))
     # 4. reduce-scatters and all-reduces as soon as their input exists
     issue_key.update({c: (_EARLIEST, 0) for c in wait_group if c not in issue_key})
     # 5. packing ops travel with their collective

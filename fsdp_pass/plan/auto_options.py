@@ -8,7 +8,8 @@ the options the other stages read, as if the user had written them.
    device the step computes on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), and the settings' budget, else
    the CUDA device's memory (no bound on the CPU or the meta device).
 3. The plan's units become a unit policy (:class:`PlannedUnits`), its resharding a ``reshard_after_forward``
-   function of the unit's name, its prefetch depth a :class:`~fsdp_pass.plan.schedule.Schedule`.
+   function of the unit's name, its prefetch depths (one for all, and the units' own) a
+   :class:`~fsdp_pass.plan.schedule.Schedule`.
 
 When the model is sharded, every rank takes rank 0's settings (:func:`agreed_settings`), so every rank plans
 the same. Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to``
@@ -100,6 +101,6 @@ def options_from_auto_plan(computation, param_of_arg: dict[str, str], model, opt
         options,
         unit_policy=PlannedUnits(plan.groups),
         reshard_after_forward=ReshardNamed(plan.resharded),
-        schedule=Schedule(prefetch=plan.candidate.prefetch),
+        schedule=Schedule(prefetch=plan.candidate.prefetch, prefetch_by_unit=plan.prefetch_by_unit),
     )
     return planned, plan

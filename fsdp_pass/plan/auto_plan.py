@@ -6,7 +6,10 @@ predicted step fastest within a memory budget, each decision with its reason.
 in bytes (None: no bound). Predictions come from :func:`~fsdp_pass.plan.step_model.predict`.
 
 1. Offload stays off if any plan fits without it; prefetch depths 0, 1 and 2 are each planned, and the
-   fastest plan that fits wins.
+   fastest plan that fits wins, but prefetch 0 only when no deeper prefetch fits: it is a memory measure.
+   The model cannot see what it costs where the probe measures no overlap (gloo on shared CPU cores): there
+   an exposed gather also waits for the slower rank, and the 22 MiB plan of the README ran 10 % slower
+   at prefetch 0 than at 1 (64.5 against 58.5 ms per step on 2 ranks, the same units; README "The auto plan").
 2. For one prefetch depth, start from one unit per block (the ``Blocks`` policy's units) and move greedily:
    at each step try merging every two neighbouring units and splitting every unit at each of its pieces, and
    take the move that shortens the predicted step most; stop when none does. A move that needs more memory
@@ -16,7 +19,10 @@ in bytes (None: no bound). Predictions come from :func:`~fsdp_pass.plan.step_mod
    peak within the budget: while searching, the largest first; for the plan chosen, each time the one that
    lowers the peak most, then back to kept each that the budget allows. The last unit the forward gathers
    is never resharded: the backward starts with it, so freeing it would only mean gathering it again.
-4. No plan fits: an FSDPError naming the smallest budget one does (every piece its own unit, all resharded,
+4. For the plan chosen, give units a prefetch depth of their own (1 or 2; 0 too when the plan's is 0) one at
+   a time, each change kept when it shortens the predicted step within the budget; a unit gathered later
+   holds its bytes for less time, and that may let resharded units stay gathered (tried after each change).
+5. No plan fits: an FSDPError naming the smallest budget one does (every piece its own unit, all resharded,
    no prefetch, offload on when allowed).
 """
 
@@ -97,7 +103,7 @@ class _Planner:
             return replace(keep_all, reshard=tuple(i in chosen for i in range(len(units))))
 
         def fits(m: int) -> bool:
-            return peak_of(units, flipped(m), names, persistent)[0] <= self.budget
+            return peak_of(units, flipped(m), names, persistent, self.summary.output_bytes)[0] <= self.budget
 
         lo, hi = 0, len(by_size)
         if not fits(hi):
@@ -117,7 +123,8 @@ class _Planner:
         persistent = persistent_bytes(self.summary, c.offload)
 
         def peak(flags) -> int:
-            return peak_of(units, replace(c, reshard=tuple(flags)), list(t.names), persistent)[0]
+            candidate = replace(c, reshard=tuple(flags))
+            return peak_of(units, candidate, list(t.names), persistent, self.summary.output_bytes)[0]
 
         flags = [False] * len(units)
         while peak(flags) > self.budget:
@@ -133,6 +140,63 @@ class _Planner:
             return t
         refined = replace(c, reshard=tuple(flags))
         return _Tried(refined, predict(self.summary, refined, self.cost, list(t.names)), t.names)
+
+    def kept_where_it_fits(self, c: Candidate, names: tuple[str, ...]) -> _Tried | None:
+        """``c`` with each resharded unit kept gathered instead (the smallest first) that the budget allows;
+        None when ``c`` itself is over the budget."""
+        units = unit_costs(self.summary, c, self.cost)
+        persistent = persistent_bytes(self.summary, c.offload)
+
+        def fits(flags) -> bool:
+            candidate = replace(c, reshard=tuple(flags))
+            return self.budget is None or peak_of(units, candidate, list(names), persistent,
+                                                  self.summary.output_bytes)[0] <= self.budget
+
+        flags = list(c.reshard)
+        if not fits(flags):
+            return None
+        for i in sorted((i for i in range(len(flags)) if flags[i]), key=lambda i: units[i].gathered):
+            if fits(flags[:i] + [False] + flags[i + 1 :]):
+                flags[i] = False
+        c = replace(c, reshard=tuple(flags))
+        return _Tried(c, predict(self.summary, c, self.cost, list(names)), names)
+
+    def per_unit_depths(self, t: _Tried) -> tuple[_Tried, list[str]]:
+        """Give units a prefetch depth of their own, one unit and one depth at a time, where that shortens the
+        predicted step within the budget (a unit gathered later may let others stay gathered)."""
+        now, reasons = t, []
+        k = len(t.candidate.starts)
+        for _ in range(2):
+            moved = False
+            for i in range(k):
+                for d in PREFETCH_DEPTHS:
+                    depths = list(now.candidate.depths or (now.candidate.prefetch,) * k)
+                    if depths[i] == d or (d == 0 and now.candidate.prefetch > 0):
+                        continue
+                    depths[i] = d
+                    trial = self.kept_where_it_fits(replace(now.candidate, depths=tuple(depths)), now.names)
+                    if trial is not None and _fits(trial.prediction, self.budget) and self._better(
+                        trial.prediction, now.prediction
+                    ):
+                        reasons.append(self._depth_reason(i, d, now, trial))
+                        now, moved = trial, True
+            if not moved:
+                break
+        c = now.candidate
+        if c.depths and all(d == c.prefetch for d in c.depths):
+            now = replace(now, candidate=replace(c, depths=()))
+        return now, reasons
+
+    def _depth_reason(self, i: int, d: int, old: _Tried, new: _Tried) -> str:
+        was = old.candidate.depth_of(i)
+        how = ("issued later: its gathered bytes are held for less time" if d < was
+               else "issued earlier: more of it hides behind compute")
+        fewer = sum(old.candidate.reshard) - sum(new.candidate.reshard)
+        kept = f"; {fewer} unit(s) fewer reshard within the budget" if fewer > 0 else ""
+        before, after = old.prediction, new.prediction
+        return (f"{old.names[i]} prefetch {d} (was {was}): its gather {how}{kept}: predicted step "
+                f"{_ms(before.step_s)} -> {_ms(after.step_s)}, peak {human_bytes(before.peak_bytes)} -> "
+                f"{human_bytes(after.peak_bytes)}")
 
     def tried(self, starts, prefetch: int, offload: bool) -> _Tried:
         candidate = self.reshard_for_budget(tuple(starts), prefetch, offload)
@@ -216,20 +280,28 @@ class AutoPlan:
     def resharded(self) -> frozenset[str]:
         return frozenset(n for n, r in zip(self.names, self.candidate.reshard) if r)
 
+    @property
+    def prefetch_by_unit(self) -> dict[str, int]:
+        """The units whose prefetch depth is their own (``Schedule.prefetch_by_unit``)."""
+        c = self.candidate
+        return {n: c.depth_of(i) for i, n in enumerate(self.names) if c.depth_of(i) != c.prefetch}
+
     def __str__(self) -> str:
         p, c = self.prediction, self.candidate
         costs = unit_costs(self.summary, c, self.cost)
         rows = [
-            (name, len(span), human_bytes(u.gathered), "yes" if r else "no", _ms(3 * u.forward_s),
+            (name, len(span), human_bytes(u.gathered), "yes" if r else "no", c.depth_of(i), _ms(3 * u.forward_s),
              _ms(u.gather_s), _ms(u.reduce_s))
-            for name, span, u, r in zip(self.names, c.spans(len(self.summary.pieces)), costs, c.reshard)
+            for i, (name, span, u, r) in enumerate(zip(self.names, c.spans(len(self.summary.pieces)), costs, c.reshard))
         ]
         budget = "no budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
+        own = f" ({len(self.prefetch_by_unit)} unit(s) their own)" if self.prefetch_by_unit else ""
         lines = [
-            f"Auto plan over {self.summary.ranks} ranks: {len(self.names)} units, prefetch {c.prefetch}, "
+            f"Auto plan over {self.summary.ranks} ranks: {len(self.names)} units, prefetch {c.prefetch}{own}, "
             f"offload {'on' if c.offload else 'off'}; {budget}",
             f"cost inputs: {self.cost}",
-            *format_table(("unit", "pieces", "gathered", "reshard", "compute", "gather", "reduce-scatter"), rows),
+            *format_table(("unit", "pieces", "gathered", "reshard", "prefetch", "compute", "gather", "reduce-scatter"),
+                          rows),
             f"predicted step {_ms(p.step_s)} = compute {_ms(p.compute_s)} + exposed communication {_ms(p.exposed_s)}",
             f"predicted peak {human_bytes(p.peak_bytes)} ({p.peak_at}; {human_bytes(p.persistent_bytes)} of it "
             f"between steps)" + ("" if self.budget is None else f" of the {human_bytes(self.budget)} budget"),
@@ -240,6 +312,14 @@ class AutoPlan:
         lines.append("why:")
         lines.extend(f"  {r}" for r in self.reasons)
         return "\n".join(lines)
+
+
+def _depth_note(d: int, pred: Prediction, fitting: dict, budget: int | None) -> str:
+    if d in fitting:
+        return ""
+    if _fits(pred, budget):
+        return " (prefetch 0 only when nothing deeper fits)"
+    return " (over budget)"
 
 
 def _reshard_reasons(summary: StepSummary, t: _Tried, budget: int | None, cost: CostInputs) -> list[str]:
@@ -303,19 +383,23 @@ def plan_step(
             f"Pass memory_budget >= {human_bytes(low.peak_bytes)} (or {low.peak_bytes} bytes), use more ranks, or "
             "checkpoint activations (checkpoint_activations=True).",
         )
+    if any(d > 0 for d in fitting):  # prefetch 0 is a memory measure only (module docstring)
+        fitting = {d: t for d, t in fitting.items() if d > 0}
     depth = min(fitting, key=lambda d: (fitting[d][0].prediction.step_s, abs(d - 1)))  # ties: the default, 1
     best, move_reasons = fitting[depth]
     best = planner.fewest_resharded(best)
+    best, depth_reasons = planner.per_unit_depths(best)
     if offload is not None:
         reasons.append(f"offload {'on' if offload else 'off'}: as asked")
     elif not reasons:
         reasons.append("offload off: the plan fits on the device" if budget is not None else "offload off: no budget")
     reasons.append(
         f"prefetch {depth}: predicted step "
-        + ", ".join(f"{_ms(t[0].prediction.step_s)} with prefetch {d}" + ("" if d in fitting else " (over budget)")
-                    for d, t in tried.items())
+        + ", ".join(f"{_ms(t[0].prediction.step_s)} with prefetch {d}"
+                    + _depth_note(d, t[0].prediction, fitting, budget) for d, t in tried.items())
     )
     reasons.extend(move_reasons or ["units: one per block; no merge or split shortens the predicted step"])
+    reasons.extend(depth_reasons)
     reasons.extend(_reshard_reasons(summary, best, budget, cost))
     return AutoPlan(summary, best.candidate, best.names, best.prediction, budget, cost, tuple(reasons),
                     _compared(summary, cost, best.candidate.offload))

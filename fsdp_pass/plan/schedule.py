@@ -8,6 +8,11 @@
 the current unit's parameters arrive, so it runs while the current unit computes. 0 issues each gather
 just before its own wait (nothing to overlap with: the baseline the benchmark compares against).
 
+``prefetch_by_unit`` gives some units a depth of their own (unit name -> depth; the others take ``prefetch``):
+a unit's gather is issued right after the wait of the gather that many places before it in the trace's order
+of use (in the backward, among the units gathered again). The auto planner sets it, e.g. 0 for a large
+unit whose early gather would hold its bytes through the backward of the units before it.
+
 ``max_unused_bytes`` bounds the gathered parameters that have been issued but not used yet: a prefetch
 that would exceed it is issued later, when enough of the units before it have been used. The unit needed
 next is always issued, so it can be exceeded by one unit larger than the bound.
@@ -25,6 +30,7 @@ and the ones in flight), not the whole model.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fsdp_pass.errors import check, fail
@@ -36,8 +42,23 @@ class Schedule:
     max_unused_bytes: int | None = None
     reduce_scatters_in_flight: int | None = 2
     kept_units_first: bool = True
+    prefetch_by_unit: tuple[tuple[str, int], ...] = ()  # (unit name, depth), sorted; a dict is accepted
 
     def __post_init__(self):
+        by_unit = self.prefetch_by_unit
+        check(
+            isinstance(by_unit, (Mapping, tuple, list)),
+            f"Schedule(prefetch_by_unit={by_unit!r}) must map unit names to prefetch depths.",
+            "Pass e.g. prefetch_by_unit={'layers.0': 0, 'lm_head': 2} (names as explain() prints them).",
+        )
+        pairs = tuple(sorted(dict(by_unit).items()))
+        for name, depth in pairs:
+            check(
+                isinstance(name, str) and isinstance(depth, int) and not isinstance(depth, bool) and depth >= 0,
+                f"Schedule(prefetch_by_unit=...): {name!r}: {depth!r} is not a unit name and a depth >= 0.",
+                "Pass e.g. prefetch_by_unit={'layers.0': 0, 'lm_head': 2} (names as explain() prints them).",
+            )
+        object.__setattr__(self, "prefetch_by_unit", pairs)
         check(
             isinstance(self.prefetch, int) and self.prefetch >= 0,
             f"Schedule(prefetch={self.prefetch!r}): prefetch must be a whole number of units >= 0.",
@@ -55,6 +76,11 @@ class Schedule:
             f"Schedule(reduce_scatters_in_flight={self.reduce_scatters_in_flight!r}) must be an int >= 1 or None.",
             "Use 2 (the default), 1 to wait for each before issuing the next, or None to wait at the end.",
         )
+
+
+    def prefetch_of(self, unit: str | None) -> int:
+        """The prefetch depth of the gathers of ``unit`` (None: a gather of no known unit)."""
+        return dict(self.prefetch_by_unit).get(unit, self.prefetch)
 
 
 DEFAULT_SCHEDULE = Schedule()

@@ -2,14 +2,18 @@
 :class:`~fsdp_pass.plan.step_summary.StepSummary` and :class:`~fsdp_pass.plan.cost_model.CostInputs`.
 
 ``predict(summary, candidate, cost) -> Prediction``. A :class:`Candidate` is what the planner decides: the
-units (runs of consecutive pieces), which of them reshard after forward, the prefetch depth, offload.
+units (runs of consecutive pieces), which of them reshard after forward, the prefetch depth (one for all, or
+one per unit), offload.
 
 Time: two queues run side by side, the compute queue and the communication queue, each doing its work in
 program order (as one CUDA stream each, or gloo's worker), as the scheduled traces issue it:
 
-1. forward, unit by unit: unit ``i + prefetch`` is gathered as soon as unit ``i``'s gather arrives (with
-   prefetch 0, when unit ``i`` is about to compute); the unit computes once its gather has arrived;
-2. backward, in reverse: the units that resharded are gathered again, prefetched the same way; each unit's
+1. forward, unit by unit: each unit's gather is issued as the schedule issues it (``Schedule``): right after
+   the gather ``depth`` places before it arrives (its unit's depth, ``Candidate.depth_of``; at the top for
+   the first ones), or, with depth 0, when the unit is about to compute; the leading units that stay
+   gathered for the backward all at the top; the unit computes once its gather has arrived;
+2. backward, in reverse: the units that resharded are gathered again, the depth counted among these gathers
+   (so the first is issued at the top of the backward, whatever the kept units before it); each unit's
    gradients are reduce-scattered when its backward ends (twice the forward's FLOPs), after the wait for the
    reduce-scatter two units back (two in flight, the default schedule);
 3. with offload, each gather is preceded by the copy of its shards to the device, and each reduce-scatter
@@ -23,14 +27,14 @@ communication that ran beside compute slows it by the share it does not hide.
 Memory, per rank, at the start of each unit's forward and backward:
 
 - between steps: the shards, their gradient shards and the optimizer states (none of it with offload);
-- gathered units: those kept for the backward (not resharded) since their forward, and the window being
-  computed plus the prefetched ones;
+- gathered units: those kept for the backward (not resharded) since their forward, the unit computing, and
+  the gathers issued and not yet used;
 - activations: every piece's up to this point of the forward, or not yet passed back in the backward;
 - in the backward, the unit's gradients and the flat buffer they are packed into (twice its gradient
-  bytes) and the buffers of the two reduce-scatters still in flight.
+  bytes) and the buffers of the two reduce-scatters still in flight, and the gradient of the forward's
+  output, which the autograd engine holds through the whole backward.
 
-Not modelled: the order ZeRO-2 units are gathered in (all at the top of the forward by default: the same peak,
-at the end of the forward), the optimizer step's time, scratch memory inside an op.
+Not modelled: ``Schedule.max_unused_bytes``, the optimizer step's time, scratch memory inside an op.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class Candidate:
     reshard: tuple[bool, ...]  # per unit: gathered again in the backward (ZeRO-3) or kept (ZeRO-2)
     prefetch: int = 1
     offload: bool = False
+    depths: tuple[int, ...] = ()  # per unit, its own prefetch depth (empty: every unit ``prefetch``)
+
+    def depth_of(self, unit: int) -> int:
+        return self.depths[unit] if self.depths else self.prefetch
 
     def spans(self, n_pieces: int) -> list[range]:
         ends = (*self.starts[1:], n_pieces)
@@ -105,8 +113,30 @@ def _host_copy_s(nbytes: int, cost: CostInputs, offload: bool) -> float:
     return nbytes / cost.host_bytes_per_s if cost.host_bytes_per_s else 0.0
 
 
+def _issue_anchors(seq: list[int], candidate: Candidate) -> list[int]:
+    """For the gathers ``seq`` (unit indices, in the order a trace uses them): after the wait of which gather
+    each is issued, as the schedule does: ``t - depth`` of its unit (below 0: at the top of the trace), or ``t``
+    itself for depth 0 (right before its own wait)."""
+    return [t - candidate.depth_of(u) if candidate.depth_of(u) > 0 else t for t, u in enumerate(seq)]
+
+
+def _gather_orders(candidate: Candidate, k: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(forward gathers, their anchors, backward gathers, their anchors). The forward gathers every unit; the
+    leading units kept for the backward are all issued at the top (``Schedule.kept_units_first``). The
+    backward gathers again the units that resharded, last unit first."""
+    forward = list(range(k))
+    anchors = _issue_anchors(forward, candidate)
+    for t in range(k):
+        if candidate.reshard[t]:
+            break
+        anchors[t] = -1
+    backward = [j for j in range(k - 1, -1, -1) if candidate.reshard[j]]
+    return forward, anchors, backward, _issue_anchors(backward, candidate)
+
+
 def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs) -> float:
-    d, k, off = candidate.prefetch, len(units), candidate.offload
+    k, off = len(units), candidate.offload
+    forward, f_anchor, backward, b_anchor = _gather_orders(candidate, k)
     comm = 0.0  # when the communication queue is free
     compute = 0.0  # when the compute queue is free
 
@@ -115,30 +145,33 @@ def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs)
         comm = max(comm, issued) + _host_copy_s(u.shard, cost, off) + u.gather_s
         return comm
 
-    # forward: arrived[i] is when unit i's gather is done
+    def issue_due(seq, anchors, arrived, at: int, now: float) -> None:
+        for t in range(len(seq)):
+            if anchors[t] == at and t != at and t not in arrived:
+                arrived[t] = gather(units[seq[t]], now)
+
+    # forward: arrived[t] is when gather t is done
     arrived: dict[int, float] = {}
-    for i in range(min(d, k)):
-        arrived[i] = gather(units[i], 0.0)
-    for i in range(k):
-        if i not in arrived:
-            arrived[i] = gather(units[i], compute)  # prefetch 0: issued when it is needed
-        start = max(compute, arrived[i])
-        if i + d < k and d > 0 and i + d not in arrived:
-            arrived[i + d] = gather(units[i + d], start)
+    issue_due(forward, f_anchor, arrived, -1, 0.0)
+    for t, i in enumerate(forward):
+        if t not in arrived:  # depth 0: issued when it is needed
+            arrived[t] = gather(units[i], compute)
+        start = max(compute, arrived[t])
+        issue_due(forward, f_anchor, arrived, t, start)
         compute = start + units[i].forward_s
     # backward, last unit first; the units that resharded are gathered again
-    order = list(range(k - 1, -1, -1))  # order[pos] is the unit the backward does pos-th
-    back_arrived: dict[int, float] = {}
-    for j in order[:d]:
-        if candidate.reshard[j]:
-            back_arrived[j] = gather(units[j], compute)
+    position = {j: t for t, j in enumerate(backward)}
+    back: dict[int, float] = {}
+    issue_due(backward, b_anchor, back, -1, compute)
     reduced: list[float] = []
-    for pos, j in enumerate(order):
-        if candidate.reshard[j] and j not in back_arrived:
-            back_arrived[j] = gather(units[j], compute)
-        start = max(compute, back_arrived.get(j, 0.0))
-        if d > 0 and pos + d < k and candidate.reshard[order[pos + d]]:
-            back_arrived[order[pos + d]] = gather(units[order[pos + d]], start)
+    for j in range(k - 1, -1, -1):
+        start = compute
+        if j in position:
+            t = position[j]
+            if t not in back:
+                back[t] = gather(units[j], compute)
+            start = max(compute, back[t])
+            issue_due(backward, b_anchor, back, t, start)
         compute = start + 2 * units[j].forward_s
         if len(reduced) >= REDUCE_SCATTERS_IN_FLIGHT:  # wait for the one issued two units back
             compute = max(compute, reduced[-REDUCE_SCATTERS_IN_FLIGHT])
@@ -151,25 +184,47 @@ def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs)
     return both_done + (1 - cost.overlap) * beside_compute
 
 
-def peak_of(units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int) -> tuple[int, str]:
-    d, k = candidate.prefetch, len(units)
+def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) -> list[int]:
+    """Bytes of the gathers issued and not yet waited for once gather ``w`` has been waited: entry ``w + 1``
+    (entry 0: before any wait). Gather ``t`` counts from its issue (after wait ``anchors[t]``) to wait ``t - 1``."""
+    diff = [0] * (len(seq) + 2)
+    for t, a in enumerate(anchors):
+        if a != t:
+            diff[max(a, -1) + 1] += units[seq[t]].gathered
+            diff[t + 1] -= units[seq[t]].gathered
+    out, running = [], 0
+    for d in diff[:-1]:
+        running += d
+        out.append(running)
+    return out
+
+
+def peak_of(
+    units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0
+) -> tuple[int, str]:
+    k = len(units)
+    forward, f_anchor, backward, b_anchor = _gather_orders(candidate, k)
+    f_unused, b_unused = _issued_unused(forward, f_anchor, units), _issued_unused(backward, b_anchor, units)
     best, where = persistent, "between steps"
     acts = 0
     kept = 0  # gathered units before this one that stay gathered for the backward
     for i in range(k):
         acts += units[i].activations
-        window = sum(u.gathered for u in units[i : i + d + 1])
-        live = persistent + kept + window + acts
+        live = persistent + kept + units[i].gathered + f_unused[i + 1] + acts
         if live > best:
             best, where = live, f"forward of {names[i]}"
         if not candidate.reshard[i]:
             kept += units[i].gathered
+    latest_wait = -1  # the backward gathers waited for so far
     for j in range(k - 1, -1, -1):
         if not candidate.reshard[j]:
             kept -= units[j].gathered
-        ahead = [units[n].gathered for n in range(j - 1, max(j - 1 - d, -1), -1) if candidate.reshard[n]]
+        else:
+            latest_wait += 1
+        ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT])
-        live = persistent + kept + units[j].gathered + sum(ahead) + acts + 2 * units[j].grads + in_flight
+        live = persistent + kept + units[j].gathered + ahead + acts + 2 * units[j].grads + in_flight
+        live += output_grad
         if live > best:
             best, where = live, f"backward of {names[j]}"
         acts -= units[j].activations
@@ -185,7 +240,7 @@ def predict(summary: StepSummary, candidate: Candidate, cost: CostInputs, names:
     units = unit_costs(summary, candidate, cost)
     names = names or [summary.pieces[s.start].name for s in candidate.spans(len(summary.pieces))]
     persistent = persistent_bytes(summary, candidate.offload)
-    peak, where = peak_of(units, candidate, names, persistent)
+    peak, where = peak_of(units, candidate, names, persistent, summary.output_bytes)
     return Prediction(
         _step_seconds(units, candidate, cost), sum(3 * u.forward_s for u in units), peak, where, persistent
     )

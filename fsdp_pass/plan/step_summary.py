@@ -19,6 +19,10 @@ Read off the functional forward trace, before any rewriting:
    by sums, copies and re-layouts left out: an estimate of what the backward keeps (Thunder's autodiff may
    save other tensors, fusion recomputes some). The dry run's traced peak (``explain()``) is the check on it.
 
+5. ``output_bytes`` (of the whole step): the forward's floating-point results, whose gradients the backward
+   receives and torch's autograd engine holds until the backward returns (the logits, when the loss is
+   computed outside the model; a scalar when it is inside).
+
 No process group, no tensors: a pure function of the trace and the sharding plan, so the planner can be
 tested on hand-made summaries.
 """
@@ -26,6 +30,10 @@ tested on hand-made summaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from thunder.core import dtypes
+from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 
 from fsdp_pass.op_flops import estimated_flops
 from fsdp_pass.plan.mixed_precision import MixedPrecision
@@ -51,6 +59,7 @@ class StepSummary:
     pieces: tuple[Piece, ...]
     ranks: int  # of the shard group
     optimizer_states: int = 2  # parameter-sized optimizer states per trainable element (Adam: 2)
+    output_bytes: int = 0  # the forward's floating-point results: their gradients live through the backward
 
     @property
     def shard_bytes(self) -> int:
@@ -145,4 +154,15 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer_states)
+    return StepSummary(pieces, sharding.world_size, optimizer_states, _output_bytes(computation))
+
+
+def _output_bytes(computation) -> int:
+    """The bytes of the floating-point tensors the trace returns (under ``"output"`` when it returns a dict)."""
+    (ret,) = [b for b in computation.bound_symbols if is_return(b)]
+    value = ret.args[0] if ret.args else None
+    if isinstance(value, dict) and "output" in value:
+        value = value["output"]
+    flat, _ = tree_flatten(value)
+    floats = [t for t in flat if isinstance(t, TensorProxy) and dtypes.is_float_dtype(t.dtype)]
+    return sum(int(t.numel) * t.dtype.bytes for t in floats)

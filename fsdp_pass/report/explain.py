@@ -70,6 +70,9 @@ class UnitRow:
     reduce_scatters: tuple[CollectiveOverlap, ...] = ()
 
 
+_SCALAR_OUTPUTS = 1024  # bytes of outputs' gradients below which the model returns its loss (nothing to note)
+
+
 @dataclass(frozen=True)
 class MemoryPrediction:
     """Per-rank bytes. ``peak`` = sharded parameters + optimizer state + the step's peak."""
@@ -116,8 +119,17 @@ class Explanation:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        """One line per note that applies: no_sync's accumulators (see :attr:`no_sync`), clipping (world > 1)."""
+        """One line per note that applies: no_sync's accumulators (see :attr:`no_sync`), a loss outside the model
+        (the backward receives a non-scalar output's gradient), clipping (world > 1)."""
         notes = [self._accumulator_note()] if self.no_sync else []
+        step = self.memory.step
+        if step is not None and step.output_grad_bytes > _SCALAR_OUTPUTS:
+            notes.append(
+                f"loss outside the model: the backward receives the gradient of {human_bytes(step.output_grad_bytes)} "
+                "of outputs (in the peak above); a loss computed from them outside the model (cross-entropy on "
+                "the logits) allocates about two more tensors that size for its own backward, which no trace here "
+                "shows: return the loss from the model to have it traced and planned"
+            )
         if self.world_size > 1:
             notes.append(
                 "clipping: fsdp_pass.clip_grad_norm_(model, max_norm) clips by the whole model's norm; "

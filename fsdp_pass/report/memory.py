@@ -14,7 +14,10 @@ as a *buffer*:
    the full gradient buffer it reads likewise; a wait hands on the collective's result;
 4. a buffer is freed after the last op that reads any name sharing it. What the forward returns (its
    output and what it saves for the backward) lives on into the backward, until the backward's last
-   use of it; what the backward returns (the gradient shards) lives to the end of the step.
+   use of it; what the backward returns (the gradient shards) lives to the end of the step;
+5. the gradients of the forward's outputs that the backward receives (its ``cotangents``: the logits'
+   gradient when the loss is computed outside the model) live for the whole backward, whatever the trace
+   deletes: torch's autograd engine holds them until the backward call returns.
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
 (all-gather results and copies cut from them, also when the forward kept them for the backward),
@@ -35,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thunder.core.proxies import TensorProxy
+from thunder.core.pytree import tree_flatten
 
 from fsdp_pass.op_names import (
     ALL_GATHER_OP,
@@ -70,6 +74,9 @@ _COLLECTIVE_OPS = frozenset(
 )
 GATHERED, SAVED, GRADIENTS, GRAD_SHARDS, OTHER = "gathered", "saved", "gradients", "gradient shards", "other"
 KINDS = (GATHERED, SAVED, GRADIENTS, GRAD_SHARDS, OTHER)
+
+
+COTANGENT = "cotangent"  # the op name of a buffer the backward receives as an output's gradient (rule 5)
 
 
 def tensor_bytes(proxy) -> int:
@@ -158,11 +165,11 @@ class _Buffers:
                 self.written_by[buf.name] = (buf.op, buf.unit)
 
     def new(self, proxy, i: int, b, kind: str = OTHER, nbytes: int | None = None) -> None:
-        """A new buffer for ``proxy``, written by op ``i`` (bound symbol ``b``)."""
+        """A new buffer for ``proxy``, written by op ``i`` (bound symbol ``b``; None: handed in by the caller)."""
         self.share(proxy.name, proxy.name, True)
         self.size[proxy.name], self.kind[proxy.name] = tensor_bytes(proxy) if nbytes is None else nbytes, kind
         self.start[proxy.name] = self.last[proxy.name] = i
-        self.written_by[proxy.name] = (b.sym.name, unit_of_op(b))
+        self.written_by[proxy.name] = (b.sym.name, unit_of_op(b)) if b is not None else (COTANGENT, None)
 
     def mark_gradients(self, b, read) -> None:
         """What a pack op or no_sync's accumulation reads is unsharded gradients of its unit (unless it is a
@@ -256,13 +263,17 @@ class _Buffers:
                     self.new(o, i, b)
 
 
-def trace_memory(trace, carried_in: dict[str, Buffer] | None = None) -> TraceMemory:
-    """Follow every buffer of ``trace``. ``carried_in``: name -> Buffer the trace receives live."""
+def trace_memory(trace, carried_in: dict[str, Buffer] | None = None, held=()) -> TraceMemory:
+    """Follow every buffer of ``trace``. ``carried_in``: name -> Buffer the trace receives live. ``held``: tensor
+    proxies the trace receives that its caller keeps alive until it returns (new buffers, live throughout)."""
     followed = _Buffers(carried_in or {})
+    for p in held:
+        followed.new(p, -1, None)
     for i, b in enumerate(trace.bound_symbols):
         followed.op(b, i)
     end = len(trace.bound_symbols)
     returned_buffers = {followed.buffer_of[n] for n in followed.handed_on_names}
+    returned_buffers |= {followed.buffer_of[p.name] for p in held}
     buffers = tuple(
         Buffer(
             k,
@@ -308,6 +319,11 @@ class StepMemory:
     @property
     def peak_bytes(self) -> int:
         return max(self.forward.peak_bytes, self.backward.peak_bytes if self.backward else 0)
+
+    @property
+    def output_grad_bytes(self) -> int:
+        """The gradients of the forward's outputs the backward receives (rule 5)."""
+        return sum(b.nbytes for b in self.backward.buffers if b.op == COTANGENT) if self.backward else 0
 
     @property
     def peak_phase(self) -> str:
@@ -395,10 +411,19 @@ def _live_over_step(m: StepMemory, forward, backward, keep) -> list[int]:
     return out
 
 
+def cotangents(backward) -> list[TensorProxy]:
+    """The gradients of the forward's outputs that ``backward`` receives (its ``cotangents`` argument)."""
+    names = [name for name, _ in backward.siginfo().args]
+    if "cotangents" not in names:
+        return []
+    flat, _ = tree_flatten(backward.args[names.index("cotangents")])
+    return [p for p in flat if isinstance(p, TensorProxy)]
+
+
 def step_memory(forward, backward=None) -> StepMemory:
     fwd = trace_memory(forward)
     saved = {buf.name: buf for buf in fwd.handed_on.values()}
-    bwd = trace_memory(backward, fwd.handed_on) if backward is not None else None
+    bwd = trace_memory(backward, fwd.handed_on, cotangents(backward)) if backward is not None else None
     return StepMemory(
         fwd,
         bwd,
