@@ -8,7 +8,9 @@
    kept (an all-reduce of the times, MAX), the fastest of the repeats (on a shared host the others measure
    the neighbours too).
 2. :func:`fsdp_pass.plan.cost_model.fit_link` fits ``seconds = alpha + sent / beta`` to (bytes each rank
-   sent, seconds): the latency every collective pays, the bandwidth large ones reach.
+   sent, seconds): the latency every collective pays, the bandwidth large ones reach. When the times do not
+   grow with the size (a busy host's noise drowning the small sizes), the gathers are measured again with
+   twice the repeats, up to three times in all; every rank holds the same times, so all retry together.
 3. A square float32 matmul on the device, timed: the rate compute runs at (the slowest rank's).
 4. A 4 MiB all-gather alone, matmuls of about as long alone, then both at once: the share of the gather's
    time the compute hides (``CostInputs.overlap``; on a CPU whose cores run both, well below 1).
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fsdp_pass.errors import FSDPError
 from fsdp_pass.groups import run_on_local_ranks
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.plan.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
@@ -143,19 +146,36 @@ def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3) -> flo
     return min(max(float(share), 0.0), 1.0)
 
 
+def fitted(measure, ranks: int, attempts: int = 3) -> tuple[tuple, LinkCost]:
+    """``(points, link)``: ``measure(attempt)`` gives (full bytes, seconds) points; fit them, measuring again
+    (attempt 1, 2, ...) while no bandwidth can be fitted; the last attempt's FSDPError is raised."""
+
+    def fit(points) -> LinkCost:
+        return fit_link([(sent_bytes(full, ranks, ALL_GATHER), s) for full, s in points])
+
+    for attempt in range(attempts - 1):
+        points = measure(attempt)
+        try:
+            return tuple(points), fit(points)
+        except FSDPError:
+            continue
+    points = measure(attempts - 1)
+    return tuple(points), fit(points)
+
+
 def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, repeats: int = 5, device=None):
     """Collective: every rank of ``group`` (the default group if None) calls it. Returns a ProbeResult."""
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    points = time_all_gathers(group, _sizes(min_bytes, max_bytes), repeats, device)
     ranks = dist.get_world_size(group)
-    link = fit_link([(sent_bytes(full, ranks, ALL_GATHER), s) for full, s in points])
+    sizes = _sizes(min_bytes, max_bytes)
+    points, link = fitted(lambda attempt: time_all_gathers(group, sizes, repeats << attempt, device), ranks)
     where = f"probe: {ranks} ranks, {dist.get_backend(group)}, {device.type}"
     # the slowest rank's rate: every rank gets the same numbers, so an auto plan made from them is the same
     rate = torch.tensor([matmul_flops_per_s(device)], dtype=torch.float64)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
     overlap = overlap_share(group, device)
-    return ProbeResult(ranks, tuple(points), CostInputs(link, float(rate), where, overlap=overlap))
+    return ProbeResult(ranks, points, CostInputs(link, float(rate), where, overlap=overlap))
 
 
 def probe_local_ranks(world: int, **kwargs) -> ProbeResult:

@@ -116,6 +116,8 @@ def test_step_model_prefetch_hides_gathers_behind_compute():
     assert prefetch.exposed_s < no_prefetch.exposed_s
     gather = link.link.seconds(40 * MiB, RANKS, "all_gather")
     assert prefetch.exposed_s >= gather  # the first gather of the step is always waited for
+    deeper = predict(s, replace(per_block(s, zero3), prefetch=2), link)  # the first two issued at the top, in order
+    assert deeper.exposed_s == pytest.approx(prefetch.exposed_s)
 
 
 def test_step_model_issues_gathers_where_the_schedule_does():

@@ -59,6 +59,23 @@ def probe_small():
             "flops": result.cost.flops_per_s, "overlap": result.cost.overlap, "text": str(result)}
 
 
+def test_probe_measures_again_when_noise_hides_the_bandwidth():
+    from fsdp_pass.probe import fitted
+
+    noisy = [(1 << 10, 3e-3), (1 << 20, 1e-3)]  # the small gather slower than the large: nothing to fit
+    clean = [(1 << 10, 1e-4), (1 << 20, 1e-3)]
+    asked = []
+
+    def measure(attempt):
+        asked.append(attempt)
+        return noisy if attempt < 2 else clean
+
+    points, link = fitted(measure, ranks=2)
+    assert asked == [0, 1, 2] and points == tuple(clean) and link.bytes_per_s > 0
+    with pytest.raises(FSDPError, match="did not take longer as they grew"):
+        fitted(lambda attempt: noisy, ranks=2)
+
+
 def test_probe_measures_on_two_gloo_ranks(ranks):
     results = ranks(2).run(probe_small)
     r = results[0]

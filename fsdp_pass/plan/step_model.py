@@ -115,9 +115,9 @@ def _host_copy_s(nbytes: int, cost: CostInputs, offload: bool) -> float:
 
 def _issue_anchors(seq: list[int], candidate: Candidate) -> list[int]:
     """For the gathers ``seq`` (unit indices, in the order a trace uses them): after the wait of which gather
-    each is issued, as the schedule does: ``t - depth`` of its unit (below 0: at the top of the trace), or ``t``
-    itself for depth 0 (right before its own wait)."""
-    return [t - candidate.depth_of(u) if candidate.depth_of(u) > 0 else t for t, u in enumerate(seq)]
+    each is issued, as the schedule does: ``t - depth`` of its unit (-1: at the top of the trace), or ``t`` itself
+    for depth 0 (right before its own wait)."""
+    return [max(t - candidate.depth_of(u), -1) if candidate.depth_of(u) > 0 else t for t, u in enumerate(seq)]
 
 
 def _gather_orders(candidate: Candidate, k: int) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -190,7 +190,7 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
     diff = [0] * (len(seq) + 2)
     for t, a in enumerate(anchors):
         if a != t:
-            diff[max(a, -1) + 1] += units[seq[t]].gathered
+            diff[a + 1] += units[seq[t]].gathered
             diff[t + 1] -= units[seq[t]].gathered
     out, running = [], 0
     for d in diff[:-1]:
