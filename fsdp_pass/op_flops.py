@@ -14,6 +14,12 @@ def numel(proxy) -> int:
     return math.prod(proxy.shape) if getattr(proxy, "shape", None) is not None else 0
 
 
+def is_matmul_like(bsym) -> bool:
+    """A matmul, a linear or an attention: an op the matmul rate times, not the memory rate."""
+    name = str(bsym.sym.name)
+    return name in ("matmul", "linear") or "scaled_dot_product" in name
+
+
 def estimated_flops(bsym) -> int:
     """The FLOPs of one bound symbol, by the rules above."""
     if bsym.sym.is_fusion:

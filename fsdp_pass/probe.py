@@ -14,6 +14,9 @@
 3. A square float32 matmul on the device, timed: the rate compute runs at (the slowest rank's).
 4. A 4 MiB all-gather alone, matmuls of about as long alone, then both at once: the share of the gather's
    time the compute hides (``CostInputs.overlap``; on a CPU whose cores run both, well below 1).
+5. The rest of a step (:func:`host_costs`): a tiny elementwise op (each op's host time), one on 1 MiB tensors
+   (the memory rate elementwise ops run at), and AdamW steps over many tiny tensors and over 16 of 256 KiB
+   (the optimizer's time per parameter tensor and per byte).
 
 Every rank gets the same numbers (each is agreed over the group), so plans made from them agree too.
 
@@ -60,6 +63,10 @@ class ProbeResult:
             *table,
             f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
             f"overlap: compute beside a 4 MiB all-gather hides {self.cost.overlap:.0%} of its time",
+            f"per op: {self.cost.op_s * 1e6:.2f} us on the host; elementwise ops move "
+            f"{(self.cost.memory_bytes_per_s or 0) / 1e9:.3g} GB/s",
+            f"AdamW: {self.cost.optimizer_tensor_s * 1e6:.1f} us per parameter tensor, "
+            f"{(self.cost.optimizer_bytes_per_s or 0) / 1e9:.3g} GB of parameters per second",
         ])
 
 
@@ -104,6 +111,50 @@ def matmul_flops_per_s(device, n: int = 512, repeats: int = 5) -> float:
         if i:
             times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times)
+
+
+def _fastest(fn, device, repeats: int) -> float:
+    best = float("inf")
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first is a warm-up
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def host_costs(device, repeats: int = 5) -> tuple[float, float, float, float]:
+    """(seconds per op on the host, elementwise bytes moved per second, AdamW seconds per parameter tensor,
+    AdamW parameter bytes per second) on this rank: the fastest of ``repeats``."""
+    tiny, n_tiny = torch.ones(16, device=device), 200
+
+    def tiny_ops():
+        for _ in range(n_tiny):
+            torch.add(tiny, tiny)
+
+    op_s = _fastest(tiny_ops, device, repeats) / n_tiny
+    x, y = torch.ones(1 << 18, device=device), torch.ones(1 << 18, device=device)  # 1 MiB each
+    z = torch.empty_like(x)
+    moved = 3 * x.numel() * x.element_size()
+    elementwise_s = _fastest(lambda: torch.mul(x, y, out=z), device, repeats)
+    memory_rate = moved / max(elementwise_s - op_s, 1e-9)
+
+    def adamw(tensors: int, numel: int) -> float:
+        params = [torch.zeros(numel, device=device, requires_grad=True) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _fastest(opt.step, device, repeats)
+
+    # many tiny tensors: the time per tensor; 16 of 256 KiB (a layer's weights, small enough to be allocated
+    # like them): the time per byte
+    n_small, n_large, large_numel = 32, 16, 1 << 16
+    tensor_s = adamw(n_small, 64) / n_small
+    large_bytes = n_large * large_numel * 4
+    optimizer_rate = large_bytes / max(adamw(n_large, large_numel) - n_large * tensor_s, 1e-9)
+    return op_s, memory_rate, tensor_s, optimizer_rate
 
 
 def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3) -> float:
@@ -175,7 +226,15 @@ def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, re
     rate = torch.tensor([matmul_flops_per_s(device)], dtype=torch.float64)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
     overlap = overlap_share(group, device)
-    return ProbeResult(ranks, points, CostInputs(link, float(rate), where, overlap=overlap))
+    # the slowest rank's times, the slowest rank's rates
+    op_s, memory_rate, tensor_s, optimizer_rate = host_costs(device)
+    slowest = torch.tensor([op_s, 1 / memory_rate, tensor_s, 1 / optimizer_rate], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    op_s, memory_s, tensor_s, optimizer_s = slowest.tolist()
+    cost = CostInputs(link, float(rate), where, overlap=overlap, op_s=op_s, memory_bytes_per_s=1 / memory_s,
+                      host_async=device.type == "cuda", optimizer_tensor_s=tensor_s,
+                      optimizer_bytes_per_s=1 / optimizer_s)
+    return ProbeResult(ranks, points, cost)
 
 
 def probe_local_ranks(world: int, **kwargs) -> ProbeResult:

@@ -18,6 +18,27 @@ def get_pool(world_size: int) -> RankPool:
     return pool
 
 
+def _uses(item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The order modules run in: first those whose tests all run in this process (they compute on one core,
+    beside the notebooks started after collection, which compute mostly on the other), then those that use gloo
+    ranks (every core busy), and last the notebook tests, which only read the results. A module's tests stay
+    together and in their order (module fixtures compile once)."""
+    kind: dict[str, int] = {}
+    for item in items:
+        key = item.nodeid.split("::")[0]
+        here = 2 if _uses(item, "notebooks_in_background") else 1 if _uses(item, "ranks") else 0
+        kind[key] = max(kind.get(key, 0), here)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (kind[it.nodeid.split("::")[0]], first[it.nodeid.split("::")[0]], order[id(it)]))
+
+
 def pytest_collection_finish(session):
     """When a collected test runs on gloo ranks, start the 2-rank pool now: its ranks import Thunder and join
     their group while the first tests run in this process, instead of when the first rank test asks for them."""

@@ -157,6 +157,27 @@ def test_units_get_prefetch_depths_of_their_own_where_that_is_faster_within_the_
     assert any(f"{n} prefetch {d} (was" in text for n, d in plan.prefetch_by_unit.items())
 
 
+def test_host_time_per_collective_merges_units_even_on_a_latency_free_link():
+    s = summary((10, 10, 10, 10))
+    assert len(plan_step(s, FAST, None).names) == 4  # nothing to gain from fewer collectives
+    busy_host = replace(FAST, op_s=1e-3)  # each collective's pack, issue, wait and unpack: 4 ms on the host
+    plan = plan_step(s, busy_host, None)
+    assert len(plan.names) == 1
+    assert any("4 ops of 1e+03 us on the host" in r for r in plan.reasons), plan.reasons
+
+
+def test_the_optimizer_counts_in_the_step_not_in_exposed_communication():
+    s = summary((10, 10, 10, 10))
+    c = per_block(s, [False] * 4)
+    adam = replace(FAST, optimizer_tensor_s=1e-3, optimizer_bytes_per_s=1e9)
+    without, with_adam = predict(s, c, FAST), predict(s, c, adam)
+    expected = 4 * 1e-3 + s.shard_bytes / 1e9  # four parameter tensors, this rank's shards
+    assert with_adam.optimizer_s == pytest.approx(expected)
+    assert with_adam.step_s == pytest.approx(without.step_s + expected)
+    assert with_adam.exposed_s == pytest.approx(without.exposed_s) and with_adam.compute_s == without.compute_s
+    assert "+ optimizer" in str(plan_step(s, adam, None))
+
+
 def test_communication_beside_compute_slows_it_by_the_share_it_does_not_hide():
     s = summary(sizes_mib=(40,) * 4, flops=4e11)
     hidden = CostInputs(LinkCost(10e-6, 20e9), 1e12, "hand-made")
@@ -195,6 +216,11 @@ def test_dry_run_prints_the_plan_its_reasons_and_the_traced_peak_against_the_bud
     assert plan.auto.prediction.peak_bytes <= budget < auto.prediction.peak_bytes
     text = str(run)
     assert "Auto plan over 4 ranks" in text and "why:" in text and "predicted step" in text
+    # the summary's op counts and elementwise bytes: every piece computes; norms move bytes, matmuls do not count
+    pieces = {p.name: p for p in auto.summary.pieces}
+    assert all(p.ops > 0 for p in pieces.values())
+    norm = pieces["model.norm"]
+    assert norm.moved_bytes > 0 and norm.moved_bytes < pieces["model.layers.0.mlp"].moved_bytes
     assert f"the traced step peaks at {human_bytes(run.memory.peak)}" in text
     assert run.memory.peak <= budget and "OVER the" not in text  # the traced step fits, not only the model
 

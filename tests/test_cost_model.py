@@ -8,7 +8,7 @@ import pytest
 
 from fsdp_pass import FSDPError
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from fsdp_pass.plan.cost_model import DEFAULTS, LinkCost, fit_link, sent_bytes
+from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost, fit_link, sent_bytes
 from fsdp_pass.probe import probe
 
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
@@ -51,12 +51,27 @@ def test_defaults_say_where_they_come_from():
         assert inputs.flops_per_s > 0 and str(inputs)
 
 
+def test_compute_adds_host_time_on_a_cpu_and_overlaps_it_where_the_host_runs_ahead():
+    cpu = CostInputs(LinkCost(1e-5, 1e9), 1e9, "hand-made", op_s=1e-3, memory_bytes_per_s=1e6)
+    # 1e9 FLOPs: 1 s; 2e6 bytes moved: 2 s; 3 ops: 3 ms of host time
+    assert cpu.compute_seconds(1e9, 3, 2e6) == pytest.approx(1 + 2 + 3e-3)
+    gpu = CostInputs(LinkCost(1e-5, 1e9), 1e9, "hand-made", op_s=1e-3, memory_bytes_per_s=1e6, host_async=True)
+    assert gpu.compute_seconds(1e9, 3, 2e6) == pytest.approx(3)  # the device's time hides the host's
+    assert gpu.compute_seconds(0, 5000, 0) == pytest.approx(5)  # a host-bound stretch: the host's
+    plain = CostInputs(LinkCost(1e-5, 1e9), 1e9, "hand-made")  # nothing measured beyond the matmul rate
+    assert plain.compute_seconds(1e9, 3, 2e6) == pytest.approx(1) and plain.optimizer_seconds(40, 1e9) == 0
+    adam = CostInputs(LinkCost(1e-5, 1e9), 1e9, "hand-made", optimizer_tensor_s=1e-4, optimizer_bytes_per_s=1e9)
+    assert adam.optimizer_seconds(40, 2e9) == pytest.approx(40 * 1e-4 + 2)
+
+
 def probe_small():
     """On every rank: the probe on small sizes (a few seconds); up to 1 MiB, so the bandwidth shows above the noise
     of a busy host."""
     result = probe(max_bytes=1 << 20, repeats=2)
     return {"points": result.points, "alpha": result.link.alpha_s, "beta": result.link.bytes_per_s,
-            "flops": result.cost.flops_per_s, "overlap": result.cost.overlap, "text": str(result)}
+            "flops": result.cost.flops_per_s, "overlap": result.cost.overlap, "text": str(result),
+            "host": (result.cost.op_s, result.cost.memory_bytes_per_s, result.cost.optimizer_tensor_s,
+                     result.cost.optimizer_bytes_per_s)}
 
 
 def test_probe_measures_again_when_noise_hides_the_bandwidth():
@@ -85,4 +100,7 @@ def test_probe_measures_on_two_gloo_ranks(ranks):
     assert results[1]["points"] == r["points"]  # the slowest rank's times: the same numbers on every rank
     assert results[1]["flops"] == r["flops"]  # the slowest rank's matmul rate: an auto plan made from them agrees
     assert 0 <= r["overlap"] <= 1 and results[1]["overlap"] == r["overlap"]
+    # per op, elementwise memory rate, AdamW per tensor and per byte: measured, and the slowest rank's everywhere
+    assert all(x > 0 for x in r["host"]) and results[1]["host"] == r["host"]
+    assert "per op" in r["text"] and "AdamW" in r["text"]
     assert "time = alpha + sent/beta" in r["text"] and "fitted ms" in r["text"]

@@ -32,7 +32,15 @@ from dataclasses import dataclass, replace
 
 from fsdp_pass.errors import check, fail
 from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_model import Candidate, Prediction, peak_of, persistent_bytes, predict, unit_costs
+from fsdp_pass.plan.step_model import (
+    OPS_PER_COLLECTIVE,
+    Candidate,
+    Prediction,
+    peak_of,
+    persistent_bytes,
+    predict,
+    unit_costs,
+)
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.text import format_table, human_bytes
 
@@ -245,6 +253,8 @@ class _Planner:
         if kind == "merge":
             ga, gb = sizes[a].gathered, sizes[b].gathered
             alpha = f"alpha {self.cost.link.alpha_s * 1e6:.3g} us each"
+            if self.cost.op_s:
+                alpha += f", and {OPS_PER_COLLECTIVE} ops of {self.cost.op_s * 1e6:.3g} us on the host"
             head = (f"{a} and {b} merged: one {human_bytes(ga + gb)} gather instead of {human_bytes(ga)} + "
                     f"{human_bytes(gb)}, a collective fewer each time ({alpha})")
         else:
@@ -290,8 +300,8 @@ class AutoPlan:
         p, c = self.prediction, self.candidate
         costs = unit_costs(self.summary, c, self.cost)
         rows = [
-            (name, len(span), human_bytes(u.gathered), "yes" if r else "no", c.depth_of(i), _ms(3 * u.forward_s),
-             _ms(u.gather_s), _ms(u.reduce_s))
+            (name, len(span), human_bytes(u.gathered), "yes" if r else "no", c.depth_of(i),
+             _ms(u.forward_total_s() + u.backward_total_s(r)), _ms(u.gather_s), _ms(u.reduce_s))
             for i, (name, span, u, r) in enumerate(zip(self.names, c.spans(len(self.summary.pieces)), costs, c.reshard))
         ]
         budget = "no budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -302,7 +312,9 @@ class AutoPlan:
             f"cost inputs: {self.cost}",
             *format_table(("unit", "pieces", "gathered", "reshard", "prefetch", "compute", "gather", "reduce-scatter"),
                           rows),
-            f"predicted step {_ms(p.step_s)} = compute {_ms(p.compute_s)} + exposed communication {_ms(p.exposed_s)}",
+            f"predicted step {_ms(p.step_s)} = compute {_ms(p.compute_s)}"
+            + (f" + optimizer {_ms(p.optimizer_s)}" if p.optimizer_s else "")
+            + f" + exposed communication {_ms(p.exposed_s)}",
             f"predicted peak {human_bytes(p.peak_bytes)} ({p.peak_at}; {human_bytes(p.persistent_bytes)} of it "
             f"between steps)" + ("" if self.budget is None else f" of the {human_bytes(self.budget)} budget"),
         ]

@@ -12,7 +12,9 @@ bus bandwidth). :func:`fit_link` finds both from measured (bytes sent, seconds) 
 that line; :mod:`fsdp_pass.probe` measures them on the user's ranks.
 
 ``CostInputs``: the link of the shard group, the device's matmul rate, the copy rate to and from the host (what
-offloading pays), and where the numbers came from.
+offloading pays), and where the numbers came from; and, where measured, what the rest of a step costs: each op's
+host time (Python, dispatch, a kernel launch), the rate elementwise ops move memory at, and the optimizer step
+per parameter tensor and per byte. Left at their defaults (zero, None) a step is its matmuls and its collectives.
 :data:`DEFAULTS` holds two sets, each with its source written next to it.
 """
 
@@ -83,13 +85,33 @@ class CostInputs:
     # the share of a collective's time that compute running beside it hides: 1 when the two do not slow each
     # other (a GPU's copy engines and spare SMs), less where they share the same cores (gloo on a busy CPU)
     overlap: float = 1.0
+    # host time of one op of the executed trace: Python, the dispatcher, a kernel launch
+    op_s: float = 0.0
+    # bytes per second that elementwise ops read and write together; None: not measured (not counted)
+    memory_bytes_per_s: float | None = None
+    # the host queues work ahead of the device (CUDA streams): a stretch of ops takes the longer of its host
+    # time and its device time; False (a CPU, which computes what it dispatches): the sum of the two
+    host_async: bool = False
+    # the optimizer step (AdamW): seconds per parameter tensor, and bytes of parameters stepped per second
+    optimizer_tensor_s: float = 0.0
+    optimizer_bytes_per_s: float | None = None
 
-    def compute_seconds(self, flops: float) -> float:
-        return flops / self.flops_per_s
+    def compute_seconds(self, flops: float, ops: float = 0, moved_bytes: float = 0) -> float:
+        """A stretch of ``ops`` ops holding ``flops`` matmul FLOPs and moving ``moved_bytes`` in elementwise ops."""
+        device = flops / self.flops_per_s + (moved_bytes / self.memory_bytes_per_s if self.memory_bytes_per_s else 0)
+        host = ops * self.op_s
+        return max(device, host) if self.host_async else device + host
+
+    def optimizer_seconds(self, tensors: int, param_bytes: float) -> float:
+        """One optimizer step over ``tensors`` parameter tensors of ``param_bytes`` bytes in all (this rank's)."""
+        per_byte = param_bytes / self.optimizer_bytes_per_s if self.optimizer_bytes_per_s else 0.0
+        return tensors * self.optimizer_tensor_s + per_byte
 
     def __str__(self) -> str:
         hides = "" if self.overlap >= 1 else f", compute hides {self.overlap:.0%} of a collective beside it"
-        return f"{self.link}; matmul {self.flops_per_s / 1e12:.3g} TFLOP/s{hides} ({self.source})"
+        host = f", {self.op_s * 1e6:.3g} us per op" if self.op_s else ""
+        memory = f", elementwise {self.memory_bytes_per_s / 1e9:.3g} GB/s" if self.memory_bytes_per_s else ""
+        return f"{self.link}; matmul {self.flops_per_s / 1e12:.3g} TFLOP/s{host}{memory}{hides} ({self.source})"
 
 
 DEFAULTS = {
@@ -98,8 +120,15 @@ DEFAULTS = {
     # bus bandwidths near 360 GB/s for large all-gathers within one 8-GPU node. NCCL's latency for a small
     # collective on NVLink: about 10-20 us.
     # Host copies: PCIe Gen5 x16 is 64 GB/s each way; pinned copies reach about 50 GB/s.
+    # The rest of the step (estimates, not measured here: no GPU was lent when they were written): HBM3 at
+    # 3.35 TB/s, of which elementwise kernels reach about 80 %; a kernel launched from Thunder's Python trace
+    # costs the host about 10 us, and the host runs ahead of the GPU; torch's AdamW on CUDA (foreach) reads
+    # parameter, gradient and both states and writes three of them, 28 bytes per float32 parameter: 4/28 of the
+    # memory rate in parameter bytes, and a few microseconds per tensor.
     "h100-nvlink": CostInputs(
-        LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5", 50e9
+        LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5, HBM3", 50e9,
+        op_s=10e-6, memory_bytes_per_s=0.8 * 3.35e12, host_async=True, optimizer_tensor_s=5e-6,
+        optimizer_bytes_per_s=0.8 * 3.35e12 * 4 / 28,
     ),
     # this project's 2-core development machine, 2 gloo ranks on loopback (one thread each), idle (load average
     # 0.3), 2026-11-24, `python -m fsdp_pass probe --local-ranks 2` three times: alpha 313 / 267 / 195 us, beta
@@ -109,7 +138,12 @@ DEFAULTS = {
     # the cores (load average 7): alpha 893 us, beta 0.277 GB/s, 9 GFLOP/s.
     # "Offloading" to the CPU from the CPU is a copy into fresh memory: a 64 MiB float32 clone ran at 1.0 GB/s
     # (fastest of 5, the test suite running beside it).
+    # The rest of the step, idle, 2026-11-25, the same probe three times: 3.05 / 3.20 / 1.58 us per op, elementwise
+    # ops on 1 MiB tensors 30.3 / 29.3 / 37.5 GB/s, AdamW (single-tensor on a CPU) 83.7 / 82.8 / 112 us per
+    # parameter tensor and 1.16 / 1.03 GB of parameters per second (the last two runs; the first timed one 4 MiB
+    # tensor, whose temporaries are mapped afresh each step): the medians.
     "cpu-gloo": CostInputs(
-        LinkCost(267e-6, 1.19e9), 89.2e9, "probe, 2 gloo ranks on the 2-core dev machine, idle", 1e9, overlap=0.0
+        LinkCost(267e-6, 1.19e9), 89.2e9, "probe, 2 gloo ranks on the 2-core dev machine, idle", 1e9, overlap=0.0,
+        op_s=3.05e-6, memory_bytes_per_s=30.3e9, optimizer_tensor_s=83.7e-6, optimizer_bytes_per_s=1.1e9,
     ),
 }

@@ -19,10 +19,17 @@ program order (as one CUDA stream each, or gloo's worker), as the scheduled trac
 3. with offload, each gather is preceded by the copy of its shards to the device, and each reduce-scatter
    followed by the copy of its gradient shard back, on the communication queue.
 
-A gather or reduce-scatter costs the link's ``alpha + sent / beta``; compute costs FLOPs / the device rate.
-The step ends when both queues are done; what is not compute is *exposed* communication. Where the two
-queues share the same cores (``CostInputs.overlap`` below 1: gloo's threads and the compute on one CPU), the
-communication that ran beside compute slows it by the share it does not hide.
+A gather or reduce-scatter costs the link's ``alpha + sent / beta``. A unit's compute costs
+(``CostInputs.compute_seconds``) its matmul FLOPs / the matmul rate, plus the bytes its elementwise ops move / the
+memory rate, plus each op's host time: the functional trace's ops times :data:`EXECUTED_OPS_PER_TRACE_OP` (what
+the torch executor runs per traced op), summed with the device time on a CPU, the longer of the two where the
+host runs ahead (CUDA). The backward computes twice the forward in every term. Each collective adds
+:data:`OPS_PER_COLLECTIVE` ops on the compute queue (pack, collective, wait, unpack) and the copies of its packing
+and unpacking. The optimizer steps after the backward (``CostInputs.optimizer_seconds``: per parameter tensor,
+per byte of this rank's shards; offloaded, it steps on the host, priced the same). The step ends when both
+queues and the optimizer are done; what is neither compute nor the optimizer is *exposed* communication. Where
+the two queues share the same cores (``CostInputs.overlap`` below 1: gloo's threads and the compute on one CPU),
+the communication that ran beside compute slows it by the share it does not hide.
 
 Memory, per rank, at the start of each unit's forward and backward:
 
@@ -34,7 +41,8 @@ Memory, per rank, at the start of each unit's forward and backward:
   bytes) and the buffers of the two reduce-scatters still in flight, and the gradient of the forward's
   output, which the autograd engine holds through the whole backward.
 
-Not modelled: ``Schedule.max_unused_bytes``, the optimizer step's time, scratch memory inside an op.
+Not modelled: ``Schedule.max_unused_bytes``, scratch memory inside an op, fusion (a fused region is one op with
+less memory traffic: the inputs' op and byte terms are then upper bounds).
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.step_summary import StepSummary
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # the default Schedule's bound
+# ops the torch executor runs per op of the functional trace (views, re-layouts and decompositions added): the
+# benchmark model's forward, 136 traced ops run as 259 (backward 544, about twice), `scratch` count of
+# thunder.last_traces, 2026-11-25
+EXECUTED_OPS_PER_TRACE_OP = 1.9
+# FSDP's own ops per collective on the compute queue: pack, the collective, its wait, unpack (the final traces)
+OPS_PER_COLLECTIVE = 4
 
 
 @dataclass(frozen=True)
@@ -70,9 +84,17 @@ class UnitCost:
     grads: int
     shard: int
     activations: int
-    forward_s: float
-    gather_s: float
+    forward_s: float  # the unit's own forward compute (its backward: twice)
+    gather_s: float  # on the link
     reduce_s: float
+    gather_ops_s: float = 0.0  # on the compute queue: packing, issuing, waiting for, unpacking one gather
+    reduce_ops_s: float = 0.0  # the same for its reduce-scatter
+
+    def forward_total_s(self) -> float:
+        return self.forward_s + self.gather_ops_s
+
+    def backward_total_s(self, gathers_again: bool) -> float:
+        return 2 * self.forward_s + self.reduce_ops_s + (self.gather_ops_s if gathers_again else 0.0)
 
 
 @dataclass(frozen=True)
@@ -82,10 +104,11 @@ class Prediction:
     peak_bytes: int
     peak_at: str  # where the peak is: "forward of <unit>" / "backward of <unit>"
     persistent_bytes: int  # the part of the peak that lives between steps
+    optimizer_s: float = 0.0
 
     @property
     def exposed_s(self) -> float:
-        return max(self.step_s - self.compute_s, 0.0)
+        return max(self.step_s - self.compute_s - self.optimizer_s, 0.0)
 
 
 def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> list[UnitCost]:
@@ -93,15 +116,21 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
     for span in candidate.spans(len(summary.pieces)):
         ps = [summary.pieces[i] for i in span]
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
+        shard = sum(p.shard_bytes for p in ps)
+        ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)
+        communicates = summary.ranks > 1
         out.append(
             UnitCost(
                 gathered,
                 grads,
-                sum(p.shard_bytes for p in ps),
+                shard,
                 sum(p.activation_bytes for p in ps),
-                cost.compute_seconds(sum(p.flops for p in ps)),
+                cost.compute_seconds(sum(p.flops for p in ps), ops, sum(p.moved_bytes for p in ps)),
                 cost.link.seconds(gathered, summary.ranks, ALL_GATHER),
                 cost.link.seconds(grads, summary.ranks, REDUCE_SCATTER),
+                # packing copies the shards into the send buffer, unpacking the gathered rows out of it
+                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)) if communicates else 0.0,
+                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (grads + shard)) if communicates else 0.0,
             )
         )
     return out
@@ -158,7 +187,7 @@ def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs)
             arrived[t] = gather(units[i], compute)
         start = max(compute, arrived[t])
         issue_due(forward, f_anchor, arrived, t, start)
-        compute = start + units[i].forward_s
+        compute = start + units[i].forward_total_s()
     # backward, last unit first; the units that resharded are gathered again
     position = {j: t for t, j in enumerate(backward)}
     back: dict[int, float] = {}
@@ -172,7 +201,7 @@ def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs)
                 back[t] = gather(units[j], compute)
             start = max(compute, back[t])
             issue_due(backward, b_anchor, back, t, start)
-        compute = start + 2 * units[j].forward_s
+        compute = start + units[j].backward_total_s(candidate.reshard[j])
         if len(reduced) >= REDUCE_SCATTERS_IN_FLIGHT:  # wait for the one issued two units back
             compute = max(compute, reduced[-REDUCE_SCATTERS_IN_FLIGHT])
         comm = max(comm, compute) + units[j].reduce_s + _host_copy_s(units[j].shard, cost, off)
@@ -180,8 +209,18 @@ def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs)
     both_done = max(compute, comm)
     communication = sum(u.gather_s * (2 if r else 1) + u.reduce_s for u, r in zip(units, candidate.reshard))
     communication += sum(2 * _host_copy_s(u.shard, cost, off) for u in units)
-    beside_compute = max(communication - (both_done - sum(3 * u.forward_s for u in units)), 0.0)
+    beside_compute = max(communication - (both_done - compute_seconds(units, candidate)), 0.0)
     return both_done + (1 - cost.overlap) * beside_compute
+
+
+def compute_seconds(units: list[UnitCost], candidate: Candidate) -> float:
+    """The compute queue's own work: every unit's forward and backward, with FSDP's ops around its collectives."""
+    return sum(u.forward_total_s() + u.backward_total_s(r) for u, r in zip(units, candidate.reshard))
+
+
+def optimizer_seconds(summary: StepSummary, cost: CostInputs) -> float:
+    """The optimizer step over this rank's shards (offloaded, it runs on the host: at the same rates here)."""
+    return cost.optimizer_seconds(summary.tensors, summary.shard_bytes)
 
 
 def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) -> list[int]:
@@ -241,6 +280,8 @@ def predict(summary: StepSummary, candidate: Candidate, cost: CostInputs, names:
     names = names or [summary.pieces[s.start].name for s in candidate.spans(len(summary.pieces))]
     persistent = persistent_bytes(summary, candidate.offload)
     peak, where = peak_of(units, candidate, names, persistent, summary.output_bytes)
+    optimizer = optimizer_seconds(summary, cost)
     return Prediction(
-        _step_seconds(units, candidate, cost), sum(3 * u.forward_s for u in units), peak, where, persistent
+        _step_seconds(units, candidate, cost) + optimizer, compute_seconds(units, candidate), peak, where,
+        persistent, optimizer,
     )

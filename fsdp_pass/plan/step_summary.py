@@ -19,7 +19,11 @@ Read off the functional forward trace, before any rewriting:
    by sums, copies and re-layouts left out: an estimate of what the backward keeps (Thunder's autodiff may
    save other tensors, fusion recomputes some). The dry run's traced peak (``explain()``) is the check on it.
 
-5. ``output_bytes`` (of the whole step): the forward's floating-point results, whose gradients the backward
+5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
+   views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them); ``moved_bytes``: what the ops that are
+   neither matmuls nor views read and write (elementwise ops, reductions, normalizations), their tensors' bytes.
+
+6. ``output_bytes`` (of the whole step): the forward's floating-point results, whose gradients the backward
    receives and torch's autograd engine holds until the backward returns (the logits, when the loss is
    computed outside the model; a scalar when it is inside).
 
@@ -35,7 +39,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from fsdp_pass.op_flops import estimated_flops
+from fsdp_pass.op_flops import estimated_flops, is_matmul_like
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
@@ -52,6 +56,8 @@ class Piece:
     shard_bytes: int  # this rank's shards, in their stored dtype (padding included)
     flops: float  # forward
     activation_bytes: int  # what the forward keeps for the backward (an upper bound)
+    ops: int = 0  # forward ops of the functional trace
+    moved_bytes: int = 0  # bytes the forward's elementwise ops read and write
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,11 @@ class StepSummary:
     @property
     def activation_bytes(self) -> int:
         return sum(p.activation_bytes for p in self.pieces)
+
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors: what a per-tensor optimizer steps one by one."""
+        return sum(len(p.params) for p in self.pieces)
 
 
 def _piece_key(param: str, block: str, inp: PolicyInput) -> str:
@@ -97,10 +108,14 @@ _GRADIENT_NEEDS_NO_INPUT = frozenset(
 )
 
 
-def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int) -> tuple[list[float], list[int]]:
-    """FLOPs and kept result bytes of the forward's ops, each charged to the piece whose parameter the
-    trace read last before it."""
-    flops, acts = [0.0] * n, [0] * n
+def _tensor_bytes(proxies) -> int:
+    return sum(int(p.numel) * p.dtype.bytes for p in proxies if getattr(p, "shape", None) is not None)
+
+
+def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int):
+    """FLOPs, kept result bytes, op counts and elementwise bytes moved of the forward's ops, each charged to the
+    piece whose parameter the trace read last before it."""
+    flops, acts, ops, moved = [0.0] * n, [0] * n, [0] * n, [0] * n
     readers: dict[str, int] = {}  # results read by an op whose gradient needs them
     for bsym in computation.bound_symbols:
         if str(bsym.sym.name) not in _GRADIENT_NEEDS_NO_INPUT and not is_view_like(bsym):
@@ -114,13 +129,12 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int) -> tuple[li
         if read:
             current = max(read)
         flops[current] += estimated_flops(bsym)
+        ops[current] += 1
         if not is_view_like(bsym):
-            acts[current] += sum(
-                int(o.numel) * o.dtype.bytes
-                for o in bsym.flat_proxy_outs
-                if getattr(o, "shape", None) is not None and readers.get(o.name, 0) > 0
-            )
-    return flops, acts
+            acts[current] += _tensor_bytes(o for o in bsym.flat_proxy_outs if readers.get(o.name, 0) > 0)
+            if not is_matmul_like(bsym):
+                moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
+    return flops, acts, ops, moved
 
 
 def summarize(
@@ -135,7 +149,7 @@ def summarize(
     found = _pieces_of(inp)
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
-    flops, acts = _ops_by_piece(computation, piece_of_arg, len(found))
+    flops, acts, ops, moved = _ops_by_piece(computation, piece_of_arg, len(found))
 
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).layout.numel * (dtype.itemsize if dtype else sharding.param(p).itemsize)
@@ -151,6 +165,8 @@ def summarize(
             sum(sharding.param(p).layout.shard_numel * sharding.param(p).itemsize for p in params),
             flops[i],
             acts[i],
+            ops[i],
+            moved[i],
         )
         for i, (name, block, params) in enumerate(found)
     )
