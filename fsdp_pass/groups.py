@@ -17,6 +17,7 @@ import datetime
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from contextlib import contextmanager
 
@@ -38,11 +39,13 @@ def fake_process_group(world_size: int, rank: int = 0):
         "Use fake_process_group only in a process that has no real process group "
         "(call torch.distributed.destroy_process_group() first).",
     )
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rank0]: ": once per dry run, unless restored
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def free_port() -> int:

@@ -1,5 +1,7 @@
 """Bad input fails with a clear FSDPError that says what to do; never a hang."""
 
+import sys
+
 import pytest
 import thunder
 import torch
@@ -31,6 +33,15 @@ def test_applied_twice():
     with fake_process_group(2):
         with pytest.raises(FSDPError, match="applied twice"):
             thunder.jit(models.MLP(), transforms=[FSDP(), FSDP()])
+
+
+def test_dry_runs_leave_the_error_printer_as_they_found_it():
+    # init_process_group wraps sys.excepthook to prefix "[rank0]: "; ten dry runs must not stack ten prefixes
+    before = sys.excepthook
+    for _ in range(2):
+        with fake_process_group(2):
+            assert sys.excepthook is not before  # torch's prefixing hook, while the group lives
+    assert sys.excepthook is before
 
 
 def test_thunder_fsdp_then_ours():
