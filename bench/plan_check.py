@@ -8,10 +8,10 @@ as ``bench.run``'s ``ours auto probed`` row does.
 
 In one process, dry runs (fake process group, meta device) of the benchmark model at ``--world`` ranks:
 
-1. ``FSDP("auto")`` without a budget: its summary (pieces, bytes, FLOPs) is what every prediction reads;
-2. the hand-written plans of ``bench.peers`` and the auto plan within ``--budget``, each compiled: its units
-   (when each is a run of the summary's pieces: per-parameter units are not) become a candidate plan, and
-   the step model predicts its step time and its peak.
+1. ``FSDP("auto")`` without a budget (its summary of the step also gives what lives before the step);
+2. the hand-written plans of ``bench.peers`` and the auto plan within ``--budget``, each compiled, and priced
+   by the step model (``DryRun.predict_step``, :mod:`fsdp_pass.plan.price_plan`): its step time and its peak
+   (per-parameter units cut the pieces the model prices: "-").
 
 Columns: the predicted step (compute + optimizer + exposed communication, in ms); the predicted *step* peak
 (the peak less the shards and the optimizer state, which live before the step: what ``bench.run``'s ``step peak
@@ -24,10 +24,10 @@ import argparse
 import warnings
 
 from bench.peers import OURS_CONFIGS
+from fsdp_pass.errors import FSDPError
 from fsdp_pass.model_spec import build_model
 from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.plan.step_model import Candidate, predict
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.probe import probe_local_ranks
 from fsdp_pass.report.dry_run import dry_run
@@ -35,23 +35,6 @@ from fsdp_pass.text import format_table
 
 ROWS = ("ours zero2 per-param", "ours zero2 blocks", "ours zero3 blocks", "ours zero3 by-size 1.7MB",
         "ours zero2 by-size 1.7MB", "ours zero2 by-size whole", "ours auto")
-
-
-def _candidate(summary, plan, prefetch: int) -> Candidate | None:
-    """The plan's units as runs of the summary's pieces; None when a unit cuts a piece."""
-    piece_of = {p: i for i, piece in enumerate(summary.pieces) for p in piece.params}
-    starts, flags = [], []
-    for unit in plan.units:
-        pieces = sorted({piece_of[p] for p in unit.params})
-        if pieces != list(range(pieces[0], pieces[-1] + 1)):
-            return None
-        starts.append(pieces[0])
-        flags.append(unit.reshard_after_forward)
-    order = sorted(range(len(starts)), key=starts.__getitem__)
-    starts = [starts[i] for i in order]
-    if len(set(starts)) != len(starts) or starts[0] != 0:
-        return None
-    return Candidate(tuple(starts), tuple(flags[i] for i in order), prefetch)
 
 
 def _mib(n: float) -> str:
@@ -84,22 +67,22 @@ def main(argv=None) -> int:
     rows = []
     for name in (*ROWS, f"ours auto {args.budget}"):
         if name == "ours auto":
-            run, prefetch = free, None
+            run = free
         elif name.startswith("ours auto "):
-            run, prefetch = compiled("auto", cost=cost, memory_budget=args.budget), None
+            run = compiled("auto", cost=cost, memory_budget=args.budget)
         else:
             _, strategy, units, prefetch, *_ = configs[name]
             policy = BySize(int(units.split(":")[1])) if units.startswith("by_size:") else units
             run = compiled(strategy, units=policy, schedule=Schedule(prefetch=prefetch))
         plan = run.explanation.plan
-        auto = plan.auto
-        candidate = auto.candidate if auto is not None else _candidate(summary, plan, prefetch)
         traced = run.explanation.memory.step.peak_bytes
-        if candidate is None:
+        try:
+            pred = run.predict_step(cost)
+        except FSDPError:  # per-parameter units cut the pieces the step model prices
             rows.append((name, len(plan.units), "-", "-", "-", "-", "-", "-", _mib(traced)))
             continue
-        pred = predict(summary, candidate, cost)
-        rows.append((name, len(plan.units), sum(candidate.reshard), f"{pred.step_s * 1e3:.1f}",
+        resharded = sum(u.reshard_after_forward for u in plan.units)
+        rows.append((name, len(plan.units), resharded, f"{pred.step_s * 1e3:.1f}",
                      f"{pred.compute_s * 1e3:.1f}", f"{pred.optimizer_s * 1e3:.1f}", f"{pred.exposed_s * 1e3:.1f}",
                      _mib(pred.peak_bytes - before_step), _mib(traced)))
     print(f"bench model at world {args.world}, cost inputs {args.cost}: {cost}")

@@ -1,7 +1,8 @@
 """The systems :mod:`bench.gpu` compares, each built on a model already on the device.
 
-A :class:`Trainer` holds what is called (``module``) and its AdamW optimizer; ``predicted()`` gives
-``explain()``'s step peak for our rows (empty for the peers). At world size 2 the systems without FSDP
+A :class:`Trainer` holds what is called (``module``) and its AdamW optimizer; ``predicted()`` gives, for our
+rows (empty for the peers), ``explain()``'s step peak read off the traces, and the auto planner's step model on
+the row's plan (``fsdp_pass.predict_step``): its step time and its peak. At world size 2 the systems without FSDP
 synchronize their gradients as DDP does (eager and compile: ``DistributedDataParallel``; plain thunder: each
 gradient all-reduced and averaged after the backward), so every row trains the same model on the same batches.
 """
@@ -21,7 +22,7 @@ from fsdp_pass.transform import FSDP
 
 LR = 1e-3
 SYSTEMS = ("eager", "compile", "fsdp2", "fsdp2+compile", "thunder", "ours zero3", "ours zero2", "ours zero3 merged",
-           "ours zero2 merged")
+           "ours zero2 merged", "ours auto", "ours auto probed")
 MERGED_UNIT_BYTES = 1 << 20  # the "merged" rows: consecutive blocks merged into units of up to 1 MiB
 
 
@@ -48,8 +49,17 @@ class AllReduceTrainer(Trainer):
 
 
 class OursTrainer(Trainer):
+    def __init__(self, module, cost):
+        super().__init__(module)
+        self.cost = cost  # what the step model prices this plan with
+
     def predicted(self) -> dict:
-        return {"predicted_above": fsdp_of(self.module).explain().memory.step.peak_bytes}
+        fsdp = fsdp_of(self.module)
+        model = fsdp.predict_step(self.cost)
+        summary = fsdp.compiled_step.plan.summary
+        before_step = summary.shard_bytes * (1 + summary.optimizer_states)  # shards and AdamW state, offload off
+        return {"predicted_above": fsdp.explain().memory.step.peak_bytes, "model_ms": model.step_s * 1e3,
+                "model_peak": model.peak_bytes, "model_step_peak": model.peak_bytes - before_step}
 
 
 def _fsdp2(model, device, compile_layers: bool):
@@ -66,8 +76,10 @@ def _ddp(model):
     return DistributedDataParallel(model) if dist.get_world_size() > 1 else model
 
 
-def build_system(name: str, model, device, executors: list) -> Trainer:
-    """``executors``: the list the Thunder rows are jitted with (ours puts ``fsdp_comm`` first itself)."""
+def build_system(name: str, model, device, executors: list, costs) -> Trainer:
+    """``executors``: the list the Thunder rows are jitted with (ours puts ``fsdp_comm`` first itself); ``costs``:
+    ``costs.for_prices()`` what the step model prices our rows with, ``costs.probed()`` a probe of these ranks
+    (what ``ours auto probed`` plans with)."""
     if name == "eager":
         return Trainer(_ddp(model))
     if name == "compile":
@@ -79,8 +91,12 @@ def build_system(name: str, model, device, executors: list) -> Trainer:
     if name == "thunder":
         trainer = AllReduceTrainer if dist.get_world_size() > 1 else Trainer
         return trainer(thunder.jit(model, executors=executors))
+    if name in ("ours auto", "ours auto probed"):
+        fsdp = FSDP("auto", cost=costs.probed() if name.endswith("probed") else None)  # None: the device's defaults
+        return OursTrainer(thunder.jit(model, transforms=[fsdp], executors=executors), costs.for_prices())
     if name.startswith("ours "):
         strategy, *merged = name.split()[1:]
         units = BySize(MERGED_UNIT_BYTES) if merged else "blocks"
-        return OursTrainer(thunder.jit(model, transforms=[FSDP(strategy, units=units)], executors=executors))
+        jitted = thunder.jit(model, transforms=[FSDP(strategy, units=units)], executors=executors)
+        return OursTrainer(jitted, costs.for_prices())
     raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")

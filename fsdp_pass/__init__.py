@@ -1,6 +1,6 @@
 """fsdp_pass: Fully Sharded Data Parallel (ZeRO-2 / ZeRO-3) as a trace pass for Lightning Thunder."""
 
-from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
+from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.groups import fake_process_group
 from fsdp_pass.plan.layout import ShardLayout
@@ -51,6 +51,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "no_sync",
+    "predict_step",
     "save_checkpoint",
     "set_model_state_dict",
     "set_optimizer_state_dict",

@@ -4,6 +4,7 @@
     python -m fsdp_pass explain --world-size 8 --model hf:path/to/Llama-3.2-1B/config.json --seq 2048
     python -m fsdp_pass explain --mesh 8x64 --strategy zero3 --model llama2-7b --layers 4   # HSDP
     python -m fsdp_pass explain --world-size 64 --model llama2-7b --memory-budget 20GiB  # the auto plan
+    python -m fsdp_pass explain --world-size 64 --model llama2-7b --cost h100-nvlink  # a plan's predicted step
     python -m fsdp_pass probe --local-ranks 2    # a collective's latency and bandwidth, a matmul's rate
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
@@ -69,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
         help="default zero3; auto (implied by --memory-budget): units, resharding, prefetch, offload planned",
     )
     p.add_argument("--memory-budget", default=None, help="auto plan: bytes per rank, e.g. 20GiB")
-    p.add_argument("--cost", choices=sorted(DEFAULTS), default="h100-nvlink", help="auto plan: cost inputs")
+    p.add_argument(
+        "--cost", choices=sorted(DEFAULTS), default=None,
+        help="cost inputs: the auto plan's (default h100-nvlink); with --strategy zero2/zero3, also print the step "
+        "time and peak the planner's step model predicts for the plan",
+    )
     p.add_argument(
         "--model",
         required=True,
@@ -118,7 +123,7 @@ def explain_command(ns) -> int:
     world_size = ns.mesh[0] * ns.mesh[1] if ns.mesh else ns.world_size
     strategy = ns.strategy or ("auto" if ns.memory_budget else "zero3")
     if strategy == "auto":
-        chosen = {"memory_budget": ns.memory_budget, "cost": ns.cost}
+        chosen = {"memory_budget": ns.memory_budget, "cost": ns.cost or "h100-nvlink"}
     else:
         chosen = {"units": _units(ns.units), "schedule": schedule}
         if ns.memory_budget:
@@ -146,6 +151,10 @@ def explain_command(ns) -> int:
         run = replace(run, explanation=run.explanation.with_no_sync())
     print()
     print(run.explanation)
+    if ns.cost and strategy != "auto":
+        predicted = run.predict_step(ns.cost)
+        print("\n".join(["", f"The auto planner's step model on this plan, cost inputs: {DEFAULTS[ns.cost]}",
+                         *predicted.lines()]))
     if ns.out:
         written = run.write(ns.out)
         print("\nwrote " + ", ".join(str(p) for p in written))

@@ -58,11 +58,17 @@ class ProbeResult:
             rows.append((human_bytes(full), human_bytes(int(sent_bytes(full, self.ranks, ALL_GATHER))),
                          f"{seconds * 1e3:.3f}", f"{fitted * 1e3:.3f}"))
         table = format_table(("all-gather of", "sent/rank", "measured ms", "fitted ms"), rows)
-        return "\n".join([
+        link = [
             f"{self.ranks} ranks: time = alpha + sent/beta with {self.link}",
             *table,
             f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
             f"overlap: compute beside a 4 MiB all-gather hides {self.cost.overlap:.0%} of its time",
+        ] if self.ranks > 1 else [
+            "1 rank: no collectives to measure (a link of one rank costs nothing)",
+            f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
+        ]
+        return "\n".join([
+            *link,
             f"per op: {self.cost.op_s * 1e6:.2f} us on the host; elementwise ops move "
             f"{(self.cost.memory_bytes_per_s or 0) / 1e9:.3g} GB/s",
             f"AdamW: {self.cost.optimizer_tensor_s * 1e6:.1f} us per parameter tensor, "
@@ -100,8 +106,10 @@ def time_all_gathers(group, sizes, repeats: int, device) -> list[tuple[int, floa
     return points
 
 
-def matmul_flops_per_s(device, n: int = 512, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def matmul_flops_per_s(device, n: int | None = None, repeats: int = 5, dtype=torch.float32) -> float:
+    """A square matmul's rate: ``n`` 512 on a CPU, 4096 on CUDA (where a smaller one times the launch)."""
+    n = n or (4096 if torch.device(device).type == "cuda" else 512)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -214,18 +222,26 @@ def fitted(measure, ranks: int, attempts: int = 3) -> tuple[tuple, LinkCost]:
     return tuple(points), fit(points)
 
 
-def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, repeats: int = 5, device=None):
-    """Collective: every rank of ``group`` (the default group if None) calls it. Returns a ProbeResult."""
+def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, repeats: int = 5, device=None,
+          dtype=torch.float32):
+    """Collective: every rank of ``group`` (the default group if None) calls it. Returns a ProbeResult.
+    ``dtype``: what the matmul computes in (the step's compute dtype: bfloat16 under mixed precision). One rank
+    has no collectives to measure: its link costs nothing, and only the compute and the host are probed."""
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ranks = dist.get_world_size(group)
-    sizes = _sizes(min_bytes, max_bytes)
-    points, link = fitted(lambda attempt: time_all_gathers(group, sizes, repeats << attempt, device), ranks)
+    if ranks > 1:
+        sizes = _sizes(min_bytes, max_bytes)
+        points, link = fitted(lambda attempt: time_all_gathers(group, sizes, repeats << attempt, device), ranks)
+    else:
+        points, link = (), LinkCost(0.0, float("inf"))
     where = f"probe: {ranks} ranks, {dist.get_backend(group)}, {device.type}"
+    if dtype != torch.float32:
+        where += f", {str(dtype).removeprefix('torch.')} matmul"
     # the slowest rank's rate: every rank gets the same numbers, so an auto plan made from them is the same
-    rate = torch.tensor([matmul_flops_per_s(device)], dtype=torch.float64)
+    rate = torch.tensor([matmul_flops_per_s(device, dtype=dtype)], dtype=torch.float64)
     dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
-    overlap = overlap_share(group, device)
+    overlap = overlap_share(group, device) if ranks > 1 else 1.0
     # the slowest rank's times, the slowest rank's rates
     op_s, memory_rate, tensor_s, optimizer_rate = host_costs(device)
     slowest = torch.tensor([op_s, 1 / memory_rate, tensor_s, 1 / optimizer_rate], dtype=torch.float64)

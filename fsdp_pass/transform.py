@@ -32,8 +32,10 @@ from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.auto_options import agreed_settings
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
+from fsdp_pass.plan.price_plan import price_plan
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import Strategy
+from fsdp_pass.plan.step_model import Prediction
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.shard.global_view import gather_full
@@ -217,6 +219,11 @@ class FSDP(Transform):
     def explain(self, optimizer="adam") -> Explanation:
         """The per-unit table and per-rank totals of the latest compile (:func:`fsdp_pass.explain`)."""
         return explain_step(self._compiled("explain()"), optimizer=optimizer)
+
+    def predict_step(self, cost=None) -> Prediction:
+        """The step model's step time and peak for the latest compile's plan (:func:`fsdp_pass.predict_step`)."""
+        step = self._compiled("predict_step()")
+        return price_plan(step.plan, step.options, cost, self.model.device)
 
     def arrive(self, what: str) -> None:
         """Return once every rank of the group has called the collective helper ``what`` on this model; an

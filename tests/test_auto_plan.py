@@ -11,6 +11,8 @@ from fsdp_pass import FSDP, FSDPError
 from fsdp_pass.plan.auto_plan import plan_step, smallest_peak
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost
 from fsdp_pass.plan.options import parse_bytes
+from fsdp_pass.plan.price_plan import candidate_of, price_plan
+from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.step_model import Candidate, predict
 from fsdp_pass.plan.step_summary import Piece, StepSummary
 from fsdp_pass.text import human_bytes
@@ -223,6 +225,36 @@ def test_dry_run_prints_the_plan_its_reasons_and_the_traced_peak_against_the_bud
     assert norm.moved_bytes > 0 and norm.moved_bytes < pieces["model.layers.0.mlp"].moved_bytes
     assert f"the traced step peaks at {human_bytes(run.memory.peak)}" in text
     assert run.memory.peak <= budget and "OVER the" not in text  # the traced step fits, not only the model
+
+
+def test_hand_written_plans_are_priced_by_the_model_the_auto_plan_uses():
+    cost = DEFAULTS["cpu-gloo"]
+    auto = model_dry_run(4, "auto", cost="cpu-gloo")
+    assert auto.predict_step() == auto.explanation.plan.auto.prediction  # its own plan, priced again
+    # ZeRO-3 over blocks, written by hand: what the planner's own comparison predicts for the same plan
+    zero3 = model_dry_run(2, "zero3")  # test_explain's
+    plan, options = zero3.explanation.plan, zero3.fsdp.compiled_step.options
+    compared = dict(plan_step(plan.summary, cost, None).compared)["blocks, ZeRO-3, prefetch 1"]
+    priced = zero3.predict_step(cost)
+    assert (priced.step_s, priced.peak_bytes) == (compared.step_s, compared.peak_bytes)
+    assert "predicted step" in str(priced) and "predicted peak" in str(priced)
+    # the schedule is read: a unit of its own at depth 0, offload
+    first = plan.units[1].name
+    deeper = replace(options, schedule=Schedule(prefetch=1, prefetch_by_unit={first: 0}), offload_to="cpu")
+    expected = replace(candidate_of(plan.summary, plan, options), depths=(1, 0, 1, 1), offload=True)
+    assert price_plan(plan, deeper, cost) == predict(plan.summary, expected, cost, [u.name for u in plan.units])
+    # what the model cannot describe is an error that says why
+    u = plan.units[1]
+    attn = next(p for p in plan.summary.pieces if p.name == f"{u.name}.attn").params  # q, k, v, o
+    halves = (replace(u, params=attn[:1]), replace(u, name="rest", params=tuple(p for p in u.params if p != attn[0])))
+    cut = replace(plan, units=(plan.units[0], *halves, *plan.units[2:]))
+    with pytest.raises(FSDPError, match="holds part of a piece of the step"):
+        price_plan(cut, options, cost)
+    with pytest.raises(FSDPError, match="places gathers where the step model does not"):
+        price_plan(plan, replace(options, schedule=Schedule(max_unused_bytes=MiB)), cost)
+    checkpointed = model_dry_run(8, "zero3", checkpoint_activations=True)  # test_explain's
+    with pytest.raises(FSDPError, match="is checkpointed: the step model has no recompute"):
+        checkpointed.predict_step()
 
 
 def test_auto_plan_trains_like_one_process_on_gloo_ranks(ranks):

@@ -104,3 +104,15 @@ def test_probe_measures_on_two_gloo_ranks(ranks):
     assert all(x > 0 for x in r["host"]) and results[1]["host"] == r["host"]
     assert "per op" in r["text"] and "AdamW" in r["text"]
     assert "time = alpha + sent/beta" in r["text"] and "fitted ms" in r["text"]
+
+
+def test_probe_of_one_rank_measures_compute_and_host_but_no_link():
+    import torch
+
+    from fsdp_pass import fake_process_group
+
+    with fake_process_group(1):
+        r = probe(device="cpu", dtype=torch.float64)
+    assert r.ranks == 1 and r.points == () and r.link.seconds(1 << 20, 1, ALL_GATHER) == 0.0
+    assert r.cost.flops_per_s > 0 and r.cost.op_s > 0 and "float64 matmul" in r.cost.source
+    assert "no collectives to measure" in str(r) and "fitted ms" not in str(r)

@@ -13,5 +13,6 @@
 - ``FSDP("auto")``: :mod:`~fsdp_pass.plan.step_summary` (the trace cut into pieces: bytes, FLOPs,
   activations), :mod:`~fsdp_pass.plan.step_model` (a candidate plan's predicted step time and peak),
   :mod:`~fsdp_pass.plan.auto_plan` (the search, and a reason per decision), :mod:`~fsdp_pass.plan.auto_options`
-  (the plan as the options the other stages read).
+  (the plan as the options the other stages read); :mod:`~fsdp_pass.plan.price_plan` (the step model on any
+  compiled plan, hand-written ones too: ``fsdp_pass.predict_step``).
 """

@@ -1,9 +1,11 @@
 """``FSDP("auto")`` at compile time: plan the step from its functional forward trace, and turn the plan into
 the options the other stages read, as if the user had written them.
 
-``options_from_auto_plan(computation, param_of_arg, model, options) -> (options, AutoPlan)``
+``step_summary(computation, param_of_arg, model, options) -> StepSummary`` (every compile makes one: the step
+model prices hand-written plans from it too, :mod:`fsdp_pass.plan.price_plan`), then
+``options_from_auto_plan(summary, model, options) -> (options, AutoPlan)``
 
-1. Summarize the trace into pieces (:mod:`fsdp_pass.plan.step_summary`).
+1. The trace summarized into pieces (:mod:`fsdp_pass.plan.step_summary`).
 2. Plan (:func:`~fsdp_pass.plan.auto_plan.plan_step`) with the settings' cost inputs, else the defaults of the
    device the step computes on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), and the settings' budget, else
    the CUDA device's memory (no bound on the CPU or the meta device).
@@ -31,7 +33,7 @@ from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.options import AutoSettings, FSDPOptions
 from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.plan.step_summary import summarize
+from fsdp_pass.plan.step_summary import StepSummary, summarize
 from fsdp_pass.text import human_bytes
 
 
@@ -57,7 +59,7 @@ class ReshardNamed:
         return unit.name in self.names
 
 
-def _device_defaults(device) -> tuple[CostInputs, int | None]:
+def device_defaults(device) -> tuple[CostInputs, int | None]:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         return DEFAULTS["h100-nvlink"], torch.cuda.get_device_properties(device).total_memory
@@ -68,7 +70,7 @@ def agreed_settings(settings: AutoSettings, device, group) -> AutoSettings:
     """``settings`` with the device's defaults filled in, and rank 0's on every rank of ``group`` (collective): a
     plan is a function of these and of the trace, so every rank plans the same collectives (the cost inputs of a
     probe, or a device's memory, could differ between ranks by a little)."""
-    default_cost, default_budget = _device_defaults(device)
+    default_cost, default_budget = device_defaults(device)
     settings = replace(
         settings,
         cost=settings.cost or default_cost,
@@ -81,13 +83,18 @@ def agreed_settings(settings: AutoSettings, device, group) -> AutoSettings:
     return settings
 
 
-def options_from_auto_plan(computation, param_of_arg: dict[str, str], model, options: FSDPOptions):
-    """The options the auto plan of ``computation`` makes of ``options`` (``options.auto`` set), and the plan."""
-    settings = options.auto
-    default_cost, default_budget = _device_defaults(model.device)
+def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDPOptions) -> StepSummary:
+    """What the step model reads of the functional forward trace ``computation`` (for any plan, auto or not)."""
     inp, _ = policy_input(computation, param_of_arg, model.sharding, model.tree)
-    summary = summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision,
-                        settings.optimizer_states)
+    states = options.auto.optimizer_states if options.auto is not None else AutoSettings.optimizer_states
+    return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, states)
+
+
+def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):
+    """The options the auto plan of the step ``summary`` describes makes of ``options`` (``options.auto`` set),
+    and the plan."""
+    settings = options.auto
+    default_cost, default_budget = device_defaults(model.device)
     offloaded = options.offload_to is not None
     budget = settings.memory_budget if settings.memory_budget is not None else default_budget
     plan: AutoPlan = plan_step(summary, settings.cost or default_cost, budget, offload=True if offloaded else None)

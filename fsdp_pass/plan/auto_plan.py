@@ -36,6 +36,7 @@ from fsdp_pass.plan.step_model import (
     OPS_PER_COLLECTIVE,
     Candidate,
     Prediction,
+    ms,
     peak_of,
     persistent_bytes,
     predict,
@@ -46,10 +47,6 @@ from fsdp_pass.text import format_table, human_bytes
 
 PREFETCH_DEPTHS = (0, 1, 2)
 _BETTER = 1e-3  # a move must shorten the predicted step by this fraction to be taken
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
 
 
 def _fits(pred: Prediction, budget: int | None) -> bool:
@@ -203,7 +200,7 @@ class _Planner:
         kept = f"; {fewer} unit(s) fewer reshard within the budget" if fewer > 0 else ""
         before, after = old.prediction, new.prediction
         return (f"{old.names[i]} prefetch {d} (was {was}): its gather {how}{kept}: predicted step "
-                f"{_ms(before.step_s)} -> {_ms(after.step_s)}, peak {human_bytes(before.peak_bytes)} -> "
+                f"{ms(before.step_s)} -> {ms(after.step_s)}, peak {human_bytes(before.peak_bytes)} -> "
                 f"{human_bytes(after.peak_bytes)}")
 
     def tried(self, starts, prefetch: int, offload: bool) -> _Tried:
@@ -260,7 +257,7 @@ class _Planner:
         else:
             head = f"{a} split before {b}: two smaller gathers, the second can overlap the first part's compute"
         if _fits(after, self.budget) and _fits(before, self.budget):
-            return f"{head}: predicted step {_ms(before.step_s)} -> {_ms(after.step_s)}"
+            return f"{head}: predicted step {ms(before.step_s)} -> {ms(after.step_s)}"
         if kind == "split":
             head = f"{a} split before {b}: smaller units, less gathered at once"
         fits = " (within the budget now)" if _fits(after, self.budget) else ""
@@ -301,7 +298,7 @@ class AutoPlan:
         costs = unit_costs(self.summary, c, self.cost)
         rows = [
             (name, len(span), human_bytes(u.gathered), "yes" if r else "no", c.depth_of(i),
-             _ms(u.forward_total_s() + u.backward_total_s(r)), _ms(u.gather_s), _ms(u.reduce_s))
+             ms(u.forward_total_s() + u.backward_total_s(r)), ms(u.gather_s), ms(u.reduce_s))
             for i, (name, span, u, r) in enumerate(zip(self.names, c.spans(len(self.summary.pieces)), costs, c.reshard))
         ]
         budget = "no budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -312,15 +309,11 @@ class AutoPlan:
             f"cost inputs: {self.cost}",
             *format_table(("unit", "pieces", "gathered", "reshard", "prefetch", "compute", "gather", "reduce-scatter"),
                           rows),
-            f"predicted step {_ms(p.step_s)} = compute {_ms(p.compute_s)}"
-            + (f" + optimizer {_ms(p.optimizer_s)}" if p.optimizer_s else "")
-            + f" + exposed communication {_ms(p.exposed_s)}",
-            f"predicted peak {human_bytes(p.peak_bytes)} ({p.peak_at}; {human_bytes(p.persistent_bytes)} of it "
-            f"between steps)" + ("" if self.budget is None else f" of the {human_bytes(self.budget)} budget"),
+            *p.lines(self.budget),
         ]
         for name, other in self.compared:
             fits = "" if _fits(other, self.budget) else ", over the budget"
-            lines.append(f"  vs {name}: step {_ms(other.step_s)}, peak {human_bytes(other.peak_bytes)}{fits}")
+            lines.append(f"  vs {name}: step {ms(other.step_s)}, peak {human_bytes(other.peak_bytes)}{fits}")
         lines.append("why:")
         lines.extend(f"  {r}" for r in self.reasons)
         return "\n".join(lines)
@@ -347,7 +340,7 @@ def _reshard_reasons(summary: StepSummary, t: _Tried, budget: int | None, cost: 
     for name, u, r in zip(t.names, units, c.reshard):
         if r:
             out.append(f"{name} reshards after forward: frees {human_bytes(u.gathered)} until its backward "
-                       f"gathers it again ({_ms(u.gather_s)})")
+                       f"gathers it again ({ms(u.gather_s)})")
     return out
 
 
@@ -407,7 +400,7 @@ def plan_step(
         reasons.append("offload off: the plan fits on the device" if budget is not None else "offload off: no budget")
     reasons.append(
         f"prefetch {depth}: predicted step "
-        + ", ".join(f"{_ms(t[0].prediction.step_s)} with prefetch {d}"
+        + ", ".join(f"{ms(t[0].prediction.step_s)} with prefetch {d}"
                     + _depth_note(d, t[0].prediction, fitting, budget) for d, t in tried.items())
     )
     reasons.extend(move_reasons or ["units: one per block; no merge or split shortens the predicted step"])

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.text import human_bytes
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # the default Schedule's bound
 # ops the torch executor runs per op of the functional trace (views, re-layouts and decompositions added): the
@@ -109,6 +110,23 @@ class Prediction:
     @property
     def exposed_s(self) -> float:
         return max(self.step_s - self.compute_s - self.optimizer_s, 0.0)
+
+    def lines(self, budget: int | None = None) -> list[str]:
+        """The step split into its parts, and the peak (against ``budget`` when given)."""
+        return [
+            f"predicted step {ms(self.step_s)} = compute {ms(self.compute_s)}"
+            + (f" + optimizer {ms(self.optimizer_s)}" if self.optimizer_s else "")
+            + f" + exposed communication {ms(self.exposed_s)}",
+            f"predicted peak {human_bytes(self.peak_bytes)} ({self.peak_at}; {human_bytes(self.persistent_bytes)} of "
+            "it between steps)" + ("" if budget is None else f" of the {human_bytes(budget)} budget"),
+        ]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> list[UnitCost]:

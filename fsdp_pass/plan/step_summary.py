@@ -116,6 +116,8 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int):
     """FLOPs, kept result bytes, op counts and elementwise bytes moved of the forward's ops, each charged to the
     piece whose parameter the trace read last before it."""
     flops, acts, ops, moved = [0.0] * n, [0] * n, [0] * n, [0] * n
+    if n == 0:  # a model without parameters: no piece to charge
+        return flops, acts, ops, moved
     readers: dict[str, int] = {}  # results read by an op whose gradient needs them
     for bsym in computation.bound_symbols:
         if str(bsym.sym.name) not in _GRADIENT_NEEDS_NO_INPUT and not is_view_like(bsym):

@@ -34,6 +34,8 @@ class UnitPlan:
     # the forward trace's arguments in order: (argument name, the parameter it is, or None)
     arguments: tuple[tuple[str | None, str | None], ...] = ()
     auto: object | None = None  # FSDP("auto"): the AutoPlan these units come from, with its reasons
+    # the step model's view of the trace (a plan.step_summary.StepSummary): what plan.price_plan prices any plan from
+    summary: object | None = None
 
     @property
     def param_of_arg(self) -> dict[str, str]:

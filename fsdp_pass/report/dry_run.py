@@ -37,6 +37,12 @@ class DryRun:
     backward: object  # the final backward trace (None when nothing requires grad)
     executors: tuple[str, ...]
     compile_seconds: float
+    fsdp: object = None  # the FSDP transform that compiled it (its predict_step(cost) prices the plan)
+
+    def predict_step(self, cost=None):
+        """The step model's step time and peak for this plan (:func:`fsdp_pass.predict_step`); ``cost`` None:
+        an auto plan's own, else the CPU's defaults (a dry run computes on the meta device)."""
+        return self.fsdp.predict_step(cost)
 
     def write(self, folder: str | Path) -> list[Path]:
         """Write ``forward_trace.py``, ``backward_trace.py`` and ``explain.txt`` into ``folder``."""
@@ -105,4 +111,5 @@ def dry_run(
         thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     seconds = time.perf_counter() - t0
     step = fsdp.compiled_step
-    return DryRun(explain_step(step, optimizer), step.forward, step.backward, tuple(e.name for e in executors), seconds)
+    return DryRun(explain_step(step, optimizer), step.forward, step.backward, tuple(e.name for e in executors), seconds,
+                  fsdp)
