@@ -13,7 +13,7 @@ from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost
 from fsdp_pass.plan.options import parse_bytes
 from fsdp_pass.plan.price_plan import candidate_of, price_plan
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.plan.step_model import Candidate, predict
+from fsdp_pass.plan.step_model import Candidate, predict, unit_costs
 from fsdp_pass.plan.step_summary import Piece, StepSummary
 from fsdp_pass.text import human_bytes
 from tests import auto_cases
@@ -81,6 +81,23 @@ def test_high_latency_link_merges_units_and_says_why():
     assert any("merged" in r and "a collective fewer each time (alpha 5e+04 us each)" in r for r in slow_plan.reasons)
     blocks = dict(slow_plan.compared)["blocks, ZeRO-2, prefetch 1"]
     assert slow_plan.prediction.step_s < blocks.step_s
+
+
+def test_hsdp_prices_the_all_reduce_across_replicas_and_merges_for_its_latency():
+    s = summary(sizes_mib=(8,) * 6, pieces_per_block=2)
+    hsdp = replace(s, replicas=4)
+    across = LinkCost(50e-3, 2e9)  # a slow link between the replicas, a fast one within the shard group
+    cost = replace(FAST, replicate_link=across)
+    flat_units, hsdp_units = (unit_costs(x, per_block(s, (False,) * 12), cost) for x in (s, hsdp))
+    for flat, u in zip(flat_units, hsdp_units):
+        # each reduced shard (grads / ranks) all-reduced across 4 replicas: alpha + 2 * 3/4 * shard / beta
+        assert u.reduce_s - flat.reduce_s == pytest.approx(50e-3 + 2 * 0.75 * (u.grads / RANKS) / 2e9)
+        assert u.gather_s == flat.gather_s
+    assert len(plan_step(s, cost).names) == 6  # within the shard group the link is latency-free
+    plan = plan_step(hsdp, cost)
+    assert len(plan.names) < 6 and plan.summary.replicas == 4
+    assert any("an all-reduce fewer across replicas, alpha 5e+04 us" in r for r in plan.reasons)
+    assert "x 4 replicas (HSDP)" in str(plan) and "reduce-scatter + all-reduce" in str(plan)
 
 
 def test_large_first_gather_is_split_when_compute_can_hide_the_rest():

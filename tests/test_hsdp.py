@@ -153,3 +153,20 @@ def test_hsdp_dry_run_is_fsdp_over_the_shard_group_plus_the_all_reduces():
     assert hsdp.stats.bytes_per_rank - hsdp.stats.replicate_bytes_per_rank == flat.stats.bytes_per_rank
     text = str(hsdp)
     assert "HSDP: 2 replicas x a shard group of 2 ranks" in text and "over the replicate group (2 ranks" in text
+
+
+def test_the_step_model_prices_the_all_reduce_across_replicas():
+    """The same two dry runs, priced by the auto planner's step model: the same shard group, plus one all-reduce
+    of each reduced shard across the 2 replicas, on their own link."""
+    from fsdp_pass.plan.cost_model import DEFAULTS
+    from fsdp_pass.plan.step_model import OPS_PER_COLLECTIVE
+
+    hsdp, flat = model_dry_run(4, "zero3", mesh=(2, 2)), model_dry_run(2, "zero3")
+    assert hsdp.explanation.plan.summary.replicas == 2 and flat.explanation.plan.summary.replicas == 1
+    cost = DEFAULTS["h100-nvlink"]
+    priced, flat_priced = hsdp.predict_step(cost), flat.predict_step(cost)
+    assert priced.peak_bytes == flat_priced.peak_bytes
+    # the host issues and waits for one more collective per unit (its copies are too small to outlast that)
+    units = len(hsdp.explanation.plan.units)
+    assert priced.compute_s - flat_priced.compute_s == pytest.approx(units * OPS_PER_COLLECTIVE * cost.op_s)
+    assert priced.step_s > flat_priced.step_s

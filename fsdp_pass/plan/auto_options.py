@@ -87,7 +87,8 @@ def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDP
     """What the step model reads of the functional forward trace ``computation`` (for any plan, auto or not)."""
     inp, _ = policy_input(computation, param_of_arg, model.sharding, model.tree)
     states = options.auto.optimizer_states if options.auto is not None else AutoSettings.optimizer_states
-    return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, states)
+    return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, states,
+                     model.groups.replicas)
 
 
 def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):

@@ -252,6 +252,9 @@ class _Planner:
             alpha = f"alpha {self.cost.link.alpha_s * 1e6:.3g} us each"
             if self.cost.op_s:
                 alpha += f", and {OPS_PER_COLLECTIVE} ops of {self.cost.op_s * 1e6:.3g} us on the host"
+            if self.summary.replicas > 1:
+                across = self.cost.across_replicas.alpha_s * 1e6
+                alpha += f"; an all-reduce fewer across replicas, alpha {across:.3g} us"
             head = (f"{a} and {b} merged: one {human_bytes(ga + gb)} gather instead of {human_bytes(ga)} + "
                     f"{human_bytes(gb)}, a collective fewer each time ({alpha})")
         else:
@@ -303,11 +306,14 @@ class AutoPlan:
         ]
         budget = "no budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
         own = f" ({len(self.prefetch_by_unit)} unit(s) their own)" if self.prefetch_by_unit else ""
+        replicas = self.summary.replicas
+        hsdp = f" per shard group x {replicas} replicas (HSDP)" if replicas > 1 else ""
+        reduce = "reduce-scatter + all-reduce" if replicas > 1 else "reduce-scatter"
         lines = [
-            f"Auto plan over {self.summary.ranks} ranks: {len(self.names)} units, prefetch {c.prefetch}{own}, "
+            f"Auto plan over {self.summary.ranks} ranks{hsdp}: {len(self.names)} units, prefetch {c.prefetch}{own}, "
             f"offload {'on' if c.offload else 'off'}; {budget}",
             f"cost inputs: {self.cost}",
-            *format_table(("unit", "pieces", "gathered", "reshard", "prefetch", "compute", "gather", "reduce-scatter"),
+            *format_table(("unit", "pieces", "gathered", "reshard", "prefetch", "compute", "gather", reduce),
                           rows),
             *p.lines(self.budget),
         ]

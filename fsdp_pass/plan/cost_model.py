@@ -11,10 +11,11 @@ parameter); ``bytes_per_s`` is what a rank sends per second once the collective 
 bus bandwidth). :func:`fit_link` finds both from measured (bytes sent, seconds) pairs, by least squares on
 that line; :mod:`fsdp_pass.probe` measures them on the user's ranks.
 
-``CostInputs``: the link of the shard group, the device's matmul rate, the copy rate to and from the host (what
-offloading pays), and where the numbers came from; and, where measured, what the rest of a step costs: each op's
-host time (Python, dispatch, a kernel launch), the rate elementwise ops move memory at, and the optimizer step
-per parameter tensor and per byte. Left at their defaults (zero, None) a step is its matmuls and its collectives.
+``CostInputs``: the link of the shard group (under HSDP also the one between its replicas, ``probe(group=the
+replicate group)`` measures it), the device's matmul rate, the copy rate to and from the host (what offloading
+pays), and where the numbers came from; and, where measured, what the rest of a step costs: each op's host time
+(Python, dispatch, a kernel launch), the rate elementwise ops move memory at, and the optimizer step per
+parameter tensor and per byte. Left at their defaults (zero, None) a step is its matmuls and its collectives.
 :data:`DEFAULTS` holds two sets, each with its source written next to it.
 """
 
@@ -95,6 +96,12 @@ class CostInputs:
     # the optimizer step (AdamW): seconds per parameter tensor, and bytes of parameters stepped per second
     optimizer_tensor_s: float = 0.0
     optimizer_bytes_per_s: float | None = None
+    # HSDP: the link between the replicas of a shard group (across nodes); None: the shard group's link
+    replicate_link: LinkCost | None = None
+
+    @property
+    def across_replicas(self) -> LinkCost:
+        return self.replicate_link or self.link
 
     def compute_seconds(self, flops: float, ops: float = 0, moved_bytes: float = 0) -> float:
         """A stretch of ``ops`` ops holding ``flops`` matmul FLOPs and moving ``moved_bytes`` in elementwise ops."""
@@ -111,7 +118,9 @@ class CostInputs:
         hides = "" if self.overlap >= 1 else f", compute hides {self.overlap:.0%} of a collective beside it"
         host = f", {self.op_s * 1e6:.3g} us per op" if self.op_s else ""
         memory = f", elementwise {self.memory_bytes_per_s / 1e9:.3g} GB/s" if self.memory_bytes_per_s else ""
-        return f"{self.link}; matmul {self.flops_per_s / 1e12:.3g} TFLOP/s{host}{memory}{hides} ({self.source})"
+        across = f", across replicas {self.replicate_link}" if self.replicate_link else ""
+        matmul = f"matmul {self.flops_per_s / 1e12:.3g} TFLOP/s"
+        return f"{self.link}; {matmul}{host}{memory}{hides}{across} ({self.source})"
 
 
 DEFAULTS = {
@@ -125,10 +134,12 @@ DEFAULTS = {
     # costs the host about 10 us, and the host runs ahead of the GPU; torch's AdamW on CUDA (foreach) reads
     # parameter, gradient and both states and writes three of them, 28 bytes per float32 parameter: 4/28 of the
     # memory rate in parameter bytes, and a few microseconds per tensor.
+    # Across nodes (HSDP's replicas): one 400 Gb/s InfiniBand NDR adapter per GPU (DGX H100), 50 GB/s each way, of
+    # which nccl-tests reach about 90 % across nodes; latency a few tens of microseconds (estimates).
     "h100-nvlink": CostInputs(
-        LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5, HBM3", 50e9,
+        LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5, HBM3, IB NDR", 50e9,
         op_s=10e-6, memory_bytes_per_s=0.8 * 3.35e12, host_async=True, optimizer_tensor_s=5e-6,
-        optimizer_bytes_per_s=0.8 * 3.35e12 * 4 / 28,
+        optimizer_bytes_per_s=0.8 * 3.35e12 * 4 / 28, replicate_link=LinkCost(30e-6, 45e9),
     ),
     # this project's 2-core development machine, 2 gloo ranks on loopback (one thread each), idle (load average
     # 0.3), 2026-11-24, `python -m fsdp_pass probe --local-ranks 2` three times: alpha 313 / 267 / 195 us, beta

@@ -19,7 +19,9 @@ program order (as one CUDA stream each, or gloo's worker), as the scheduled trac
 3. with offload, each gather is preceded by the copy of its shards to the device, and each reduce-scatter
    followed by the copy of its gradient shard back, on the communication queue.
 
-A gather or reduce-scatter costs the link's ``alpha + sent / beta``. A unit's compute costs
+A gather or reduce-scatter costs the link's ``alpha + sent / beta``; under HSDP each reduce-scatter is followed,
+on the same queue, by the all-reduce of the reduced shard across the replicas (``CostInputs.across_replicas``:
+``alpha + 2(R-1)/R * shard / beta``). A unit's compute costs
 (``CostInputs.compute_seconds``) its matmul FLOPs / the matmul rate, plus the bytes its elementwise ops move / the
 memory rate, plus each op's host time: the functional trace's ops times :data:`EXECUTED_OPS_PER_TRACE_OP` (what
 the torch executor runs per traced op), summed with the device time on a CPU, the longer of the two where the
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.text import human_bytes
@@ -136,7 +138,8 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
         shard = sum(p.shard_bytes for p in ps)
         ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)
-        communicates = summary.ranks > 1
+        gathers = summary.ranks > 1
+        reduces = int(summary.ranks > 1) + int(summary.replicas > 1)  # a reduce-scatter, HSDP's all-reduce
         out.append(
             UnitCost(
                 gathered,
@@ -145,13 +148,21 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 sum(p.activation_bytes for p in ps),
                 cost.compute_seconds(sum(p.flops for p in ps), ops, sum(p.moved_bytes for p in ps)),
                 cost.link.seconds(gathered, summary.ranks, ALL_GATHER),
-                cost.link.seconds(grads, summary.ranks, REDUCE_SCATTER),
+                cost.link.seconds(grads, summary.ranks, REDUCE_SCATTER) + _across_replicas_s(summary, grads, cost),
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
-                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)) if communicates else 0.0,
-                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (grads + shard)) if communicates else 0.0,
+                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)) if gathers else 0.0,
+                cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)) if reduces else 0.0,
             )
         )
     return out
+
+
+def _across_replicas_s(summary: StepSummary, grads: int, cost: CostInputs) -> float:
+    """HSDP: the all-reduce of a unit's reduced gradient shard (``grads`` / ranks) across the replicas, which
+    the backward issues right after its reduce-scatter, on the same queue."""
+    if summary.replicas <= 1:
+        return 0.0
+    return cost.across_replicas.seconds(grads / max(summary.ranks, 1), summary.replicas, ALL_REDUCE)
 
 
 def _host_copy_s(nbytes: int, cost: CostInputs, offload: bool) -> float:

@@ -27,6 +27,9 @@ Read off the functional forward trace, before any rewriting:
    receives and torch's autograd engine holds until the backward returns (the logits, when the loss is
    computed outside the model; a scalar when it is inside).
 
+7. ``replicas`` (of the whole step): under HSDP, how many copies of the shard group all-reduce each reduced
+   gradient shard (``ranks`` is the shard group's size).
+
 No process group, no tensors: a pure function of the trace and the sharding plan, so the planner can be
 tested on hand-made summaries.
 """
@@ -66,6 +69,7 @@ class StepSummary:
     ranks: int  # of the shard group
     optimizer_states: int = 2  # parameter-sized optimizer states per trainable element (Adam: 2)
     output_bytes: int = 0  # the forward's floating-point results: their gradients live through the backward
+    replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
 
     @property
     def shard_bytes(self) -> int:
@@ -146,8 +150,10 @@ def summarize(
     sharding: ShardingPlan,
     precision: MixedPrecision,
     optimizer_states: int = 2,
+    replicas: int = 1,
 ) -> StepSummary:
-    """The pieces of the functional forward trace ``computation`` (``inp``: what a unit policy sees of it)."""
+    """The pieces of the functional forward trace ``computation`` (``inp``: what a unit policy sees of it);
+    ``replicas``: HSDP's copies of the shard group (1 without HSDP)."""
     found = _pieces_of(inp)
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
@@ -172,7 +178,7 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer_states, _output_bytes(computation))
+    return StepSummary(pieces, sharding.world_size, optimizer_states, _output_bytes(computation), replicas)
 
 
 def _output_bytes(computation) -> int:
