@@ -22,8 +22,9 @@ HSDP's all-reduce across replicas is not priced: the shard group's collectives a
 from __future__ import annotations
 
 from fsdp_pass.errors import check
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
-from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.auto_options import device_defaults
+from fsdp_pass.plan.cost_model import CostInputs
+from fsdp_pass.plan.options import FSDPOptions, resolve_cost
 from fsdp_pass.plan.step_model import Candidate, Prediction, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.units import Unit, UnitPlan
@@ -84,20 +85,9 @@ def candidate_of(summary: StepSummary, plan: UnitPlan, options: FSDPOptions) -> 
 
 
 def cost_inputs(cost, device=None) -> CostInputs:
-    """``cost`` as :class:`CostInputs`: a ``DEFAULTS`` name, ``CostInputs``, a probe's result (its ``.cost``), or
-    None for the defaults of ``device`` (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise)."""
-    from fsdp_pass.plan.auto_options import device_defaults  # auto_options plans; this only prices
-
-    if cost is None:
-        return device_defaults(device)[0]
-    if isinstance(cost, str):
-        check(cost in DEFAULTS, f"Unknown cost inputs {cost!r}.", f"Pass one of {', '.join(sorted(DEFAULTS))}, "
-              "CostInputs, or fsdp_pass.probe.probe()'s result.")
-        return DEFAULTS[cost]
-    cost = getattr(cost, "cost", cost)
-    check(isinstance(cost, CostInputs), f"{cost!r} are not cost inputs.",
-          f"Pass one of {', '.join(sorted(DEFAULTS))}, CostInputs, or fsdp_pass.probe.probe()'s result.")
-    return cost
+    """``cost`` as :class:`CostInputs` (read as ``FSDP("auto", cost=...)`` reads it), None being the defaults of
+    ``device`` (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise)."""
+    return resolve_cost(cost) or device_defaults(device)[0]
 
 
 def price_plan(plan: UnitPlan, options: FSDPOptions, cost=None, device=None) -> Prediction:
