@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     free = compiled("auto", cost=cost)
     summary = free.explanation.plan.auto.summary
-    before_step = summary.shard_bytes * (1 + summary.optimizer_states)
+    before_step = summary.state_bytes
     configs = {c[0]: c for c in OURS_CONFIGS}
     rows = []
     for name in (*ROWS, f"ours auto {args.budget}"):

@@ -56,8 +56,7 @@ class OursTrainer(Trainer):
     def predicted(self) -> dict:
         fsdp = fsdp_of(self.module)
         model = fsdp.predict_step(self.cost)
-        summary = fsdp.compiled_step.plan.summary
-        before_step = summary.shard_bytes * (1 + summary.optimizer_states)  # shards and AdamW state, offload off
+        before_step = fsdp.compiled_step.plan.summary.state_bytes  # shards and AdamW state (no offload here)
         return {"predicted_above": fsdp.explain().memory.step.peak_bytes, "model_ms": model.step_s * 1e3,
                 "model_peak": model.peak_bytes, "model_step_peak": model.peak_bytes - before_step}
 

@@ -58,17 +58,13 @@ class ProbeResult:
             rows.append((human_bytes(full), human_bytes(int(sent_bytes(full, self.ranks, ALL_GATHER))),
                          f"{seconds * 1e3:.3f}", f"{fitted * 1e3:.3f}"))
         table = format_table(("all-gather of", "sent/rank", "measured ms", "fitted ms"), rows)
-        link = [
-            f"{self.ranks} ranks: time = alpha + sent/beta with {self.link}",
-            *table,
-            f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
-            f"overlap: compute beside a 4 MiB all-gather hides {self.cost.overlap:.0%} of its time",
-        ] if self.ranks > 1 else [
-            "1 rank: no collectives to measure (a link of one rank costs nothing)",
-            f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
-        ]
+        link = [f"{self.ranks} ranks: time = alpha + sent/beta with {self.link}", *table] if self.ranks > 1 else [
+            "1 rank: no collectives to measure (a link of one rank costs nothing)"]
+        overlap = [f"overlap: compute beside a 4 MiB all-gather hides {self.cost.overlap:.0%} of its time"]
         return "\n".join([
             *link,
+            f"matmul: {self.cost.flops_per_s / 1e9:.1f} GFLOP/s",
+            *(overlap if self.ranks > 1 else []),
             f"per op: {self.cost.op_s * 1e6:.2f} us on the host; elementwise ops move "
             f"{(self.cost.memory_bytes_per_s or 0) / 1e9:.3g} GB/s",
             f"AdamW: {self.cost.optimizer_tensor_s * 1e6:.1f} us per parameter tensor, "

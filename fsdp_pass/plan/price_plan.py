@@ -66,7 +66,10 @@ def _units_in_order(summary: StepSummary, plan: UnitPlan) -> list[tuple[int, Uni
 
 def candidate_of(summary: StepSummary, plan: UnitPlan, options: FSDPOptions) -> Candidate:
     """``plan`` (made with ``options``) as the step model's candidate over ``summary``'s pieces."""
-    units = _units_in_order(summary, plan)
+    return _candidate(_units_in_order(summary, plan), options)
+
+
+def _candidate(units: list[tuple[int, Unit]], options: FSDPOptions) -> Candidate:
     schedule = options.schedule
     check(
         schedule is not None and schedule.kept_units_first and schedule.max_unused_bytes is None,
@@ -98,7 +101,7 @@ def price_plan(plan: UnitPlan, options: FSDPOptions, cost=None, device=None) -> 
         "Price the plan of a compiled step (fsdp_pass.predict_step(jitted_model) after its first step).",
     )
     summary = plan.summary
-    names = [unit.name for _, unit in _units_in_order(summary, plan)]
+    units = _units_in_order(summary, plan)
     if cost is None and plan.auto is not None:
         cost = plan.auto.cost  # what the auto plan was made with
-    return predict(summary, candidate_of(summary, plan, options), cost_inputs(cost, device), names)
+    return predict(summary, _candidate(units, options), cost_inputs(cost, device), [unit.name for _, unit in units])

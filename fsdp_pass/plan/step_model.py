@@ -301,7 +301,7 @@ def peak_of(
 
 def persistent_bytes(summary: StepSummary, offload: bool) -> int:
     """What lives on the device between steps: shards, gradient shards, optimizer states (none offloaded)."""
-    return 0 if offload else summary.shard_bytes * (2 + summary.optimizer_states)
+    return 0 if offload else summary.state_bytes + summary.shard_bytes  # and the gradient shards
 
 
 def predict(summary: StepSummary, candidate: Candidate, cost: CostInputs, names: list[str] | None = None) -> Prediction:

@@ -76,6 +76,11 @@ class StepSummary:
         return sum(p.shard_bytes for p in self.pieces)
 
     @property
+    def state_bytes(self) -> int:
+        """This rank's shards and their optimizer state: what lives between steps whose gradients are freed."""
+        return self.shard_bytes * (1 + self.optimizer_states)
+
+    @property
     def activation_bytes(self) -> int:
         return sum(p.activation_bytes for p in self.pieces)
 
