@@ -68,9 +68,8 @@ def pack_shards_impl(shards, unit: str, dtype, device) -> torch.Tensor:
 
 def unpack_gathered_impl(gathered: torch.Tensor, unit: str, full_shapes, world_size: int):
     buf = fb.unit_buffer(full_shapes, world_size)
-    if fb.unpack_is_view(len(buf.layouts), world_size):  # no copy: rows of the buffer as they lie
-        parts = gathered.split(buf.shard_numels) if len(buf.layouts) > 1 else (gathered,)
-        return tuple(_unpadded(part, lay) for part, lay in zip(parts, buf.layouts))
+    if fb.unpack_is_view(len(buf.layouts)):  # no copy: rows of the buffer as they lie
+        return (_unpadded(gathered, buf.layouts[0]),)
     outs = [torch.empty(world_size, n, dtype=gathered.dtype, device=gathered.device) for n in buf.shard_numels]
     torch.split_with_sizes_copy(gathered.view(world_size, buf.rank_numel), buf.shard_numels, dim=1, out=outs)
     return tuple(_unpadded(o, lay) for o, lay in zip(outs, buf.layouts))

@@ -237,3 +237,13 @@ def test_a_loss_outside_the_model_is_counted_and_noted():
     assert [(b.start, b.end) for b in held] == [(-1, len(backward.bound_symbols))]  # live through the backward
     (note,) = [n for n in e.notes if n.startswith("loss outside the model")]
     assert human_bytes(nbytes) in note and note in str(e)
+
+
+def test_zero3_at_world_1_keeps_for_the_backward_what_it_keeps_at_world_2():
+    """A unit resharded after forward keeps none of its gathered buffer for the backward, at world 1 too. There a
+    gathered buffer holds the full parameters already, and views of it would save a copy, but the forward saves
+    some of them (a norm's weight, broadcast) and a view keeps its whole buffer alive: the unit would stay
+    gathered until its backward, as under ZeRO-2 (seen on an H100: ZeRO-3 peaked where ZeRO-2 did)."""
+    one, two = (model_dry_run(world, "zero3").explanation.memory.step for world in (1, 2))  # world 2: test_explain's
+    assert one.saved_gathered_bytes == two.saved_gathered_bytes > 0  # the last unit's, not resharded
+    assert one.saved_bytes == two.saved_bytes

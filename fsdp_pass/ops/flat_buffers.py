@@ -5,7 +5,7 @@
   same op. One shard, no cast and no copy: a view of it.
 - ``unpack_gathered(gathered, unit, full_shapes, world_size)``: the rank-major gathered buffer (all of rank
   0's part of every parameter, then rank 1's, ...) cut into the full parameters, padding rows dropped; one
-  copy-out per unit (views of the buffer for a one-parameter unit and at world size 1).
+  copy-out per unit (a view of the buffer for a one-parameter unit).
 - ``pack_grads(grads, unit, full_shapes, world_size, dtype, divide_first)``: full gradients laid out rank-major
   with zero padding rows, in the reduce ``dtype``: the buffer the reduce-scatter reads (divided first by
   ``divide_first``, the number of ranks whose gradients are summed, as float16 needs; None: not divided).
@@ -100,11 +100,13 @@ def pack_is_view(count: int, padding_rows: int = 0, cast: bool = False, moved: b
     return count == 1 and not (padding_rows or cast or moved or divide_first is not None)
 
 
-def unpack_is_view(count: int, world_size: int) -> bool:
+def unpack_is_view(count: int) -> bool:
     """Whether unpacking a gathered buffer returns views of it and copies nothing: one parameter (its padding
-    rows dropped as a view of a prefix), or world size 1 (the buffer is this rank's shards, one after the
-    other, with no padding)."""
-    return count == 1 or world_size == 1
+    rows dropped as a view of a prefix). Several parameters are copied out, at world size 1 too, where views
+    would need no copy: the forward may keep one of them for the backward (a norm's weight, broadcast), and a
+    view keeps the whole buffer alive, so a unit resharded after forward would stay gathered until its
+    backward."""
+    return count == 1
 
 
 def allocated_bytes(bsym, out) -> int:
@@ -126,7 +128,7 @@ def views_of_inputs(bsym) -> dict[str, object]:
         cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
         return {outs[0].name: shards[0]} if pack_is_view(len(shards), cast=cast, moved=moved) else {}
     if is_unpack_gathered(bsym):
-        return {o.name: args[0] for o in outs} if unpack_is_view(len(outs), args[3]) else {}
+        return {o.name: args[0] for o in outs} if unpack_is_view(len(outs)) else {}
     if is_pack_grads(bsym):
         grads, _, full_shapes, world_size, dtype, divide_first = args
         padding_rows = layouts_of(full_shapes, world_size)[0].padding_rows
