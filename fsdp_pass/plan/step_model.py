@@ -35,7 +35,9 @@ the communication that ran beside compute slows it by the share it does not hide
 
 Memory, per rank, at the start of each unit's forward and backward:
 
-- between steps: the shards, their gradient shards and the optimizer states (none of it with offload);
+- between steps: the shards and the optimizer states (neither with offload);
+- gradient shards: each unit's from its reduce-scatter in the backward until the optimizer has stepped (torch's
+  ``zero_grad()`` frees them; none on the device with offload), so all of them at the optimizer's step;
 - gathered units: those kept for the backward (not resharded) since their forward, the unit computing, and
   the gathers issued and not yet used;
 - activations: every piece's up to this point of the forward, or not yet passed back in the backward;
@@ -284,6 +286,7 @@ def peak_of(
         if not candidate.reshard[i]:
             kept += units[i].gathered
     latest_wait = -1  # the backward gathers waited for so far
+    reduced = 0  # the gradient shards the backward has made so far
     for j in range(k - 1, -1, -1):
         if not candidate.reshard[j]:
             kept -= units[j].gathered
@@ -291,17 +294,20 @@ def peak_of(
             latest_wait += 1
         ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT])
-        live = persistent + kept + units[j].gathered + ahead + acts + 2 * units[j].grads + in_flight
+        live = persistent + reduced + kept + units[j].gathered + ahead + acts + 2 * units[j].grads + in_flight
         live += output_grad
         if live > best:
             best, where = live, f"backward of {names[j]}"
         acts -= units[j].activations
+        reduced += 0 if candidate.offload else units[j].shard
+    if persistent + reduced > best:
+        best, where = persistent + reduced, "optimizer step"
     return best, where
 
 
 def persistent_bytes(summary: StepSummary, offload: bool) -> int:
-    """What lives on the device between steps: shards, gradient shards, optimizer states (none offloaded)."""
-    return 0 if offload else summary.state_bytes + summary.shard_bytes  # and the gradient shards
+    """What lives on the device between steps: the shards and their optimizer states (none offloaded)."""
+    return 0 if offload else summary.state_bytes
 
 
 def predict(summary: StepSummary, candidate: Candidate, cost: CostInputs, names: list[str] | None = None) -> Prediction:
