@@ -104,6 +104,17 @@ def has_peers(group) -> bool:
     return group is not None and dist.get_backend(group) != "fake" and dist.get_world_size(group) > 1
 
 
+def reduced_across_ranks(values, op, group=None) -> list[float]:
+    """``values`` reduced elementwise over the ranks of ``group`` (the default group if None) by ``op``, as
+    float64, in a tensor where the group's backend takes one: on the host under gloo, else on this rank's GPU if
+    it has one (NCCL reduces no host tensors, nor does the backend ``init_process_group()`` picks on a GPU)."""
+    group = group if group is not None else dist.group.WORLD
+    on_gpu = torch.cuda.is_available() and dist.get_backend(group) != "gloo"
+    reduced = torch.tensor(values, dtype=torch.float64, device=torch.cuda.current_device() if on_gpu else "cpu")
+    dist.all_reduce(reduced, op=op, group=group)
+    return reduced.tolist()
+
+
 def group_store(group):
     """The key-value store ``group``'s ranks met through (the TCPStore ``init_process_group`` made, prefixed
     for the group): what :mod:`fsdp_pass.verify.ranks_arrive` counts arrivals on, with no collective."""

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.groups import run_on_local_ranks
+from fsdp_pass.groups import reduced_across_ranks, run_on_local_ranks
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.plan.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
 from fsdp_pass.text import format_table, human_bytes
@@ -96,9 +96,7 @@ def time_all_gathers(group, sizes, repeats: int, device) -> list[tuple[int, floa
                 torch.cuda.synchronize(out.device)
             if i:  # the first is a warm-up
                 times.append(time.perf_counter() - t0)
-        slowest = torch.tensor(times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        points.append((out.numel() * 4, min(slowest.tolist())))
+        points.append((out.numel() * 4, min(reduced_across_ranks(times, dist.ReduceOp.MAX, group))))
     return points
 
 
@@ -139,7 +137,10 @@ def host_costs(device, repeats: int = 5) -> tuple[float, float, float, float]:
             torch.add(tiny, tiny)
 
     op_s = _fastest(tiny_ops, device, repeats) / n_tiny
-    x, y = torch.ones(1 << 18, device=device), torch.ones(1 << 18, device=device)  # 1 MiB each
+    # 1 MiB each on a CPU; 64 MiB on CUDA, where 1 MiB moves in about a microsecond and times the launch
+    cuda = device.type == "cuda"
+    numel = 1 << (24 if cuda else 18)
+    x, y = torch.ones(numel, device=device), torch.ones(numel, device=device)
     z = torch.empty_like(x)
     moved = 3 * x.numel() * x.element_size()
     elementwise_s = _fastest(lambda: torch.mul(x, y, out=z), device, repeats)
@@ -153,8 +154,8 @@ def host_costs(device, repeats: int = 5) -> tuple[float, float, float, float]:
         return _fastest(opt.step, device, repeats)
 
     # many tiny tensors: the time per tensor; 16 of 256 KiB (a layer's weights, small enough to be allocated
-    # like them): the time per byte
-    n_small, n_large, large_numel = 32, 16, 1 << 16
+    # like them; 16 MiB on CUDA, where 256 KiB times the launches): the time per byte
+    n_small, n_large, large_numel = 32, 16, 1 << (22 if cuda else 16)
     tensor_s = adamw(n_small, 64) / n_small
     large_bytes = n_large * large_numel * 4
     optimizer_rate = large_bytes / max(adamw(n_large, large_numel) - n_large * tensor_s, 1e-9)
@@ -196,9 +197,8 @@ def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3) -> flo
 
     alone = timed(compute)
     together = timed(both)
-    share = torch.tensor([(gather + alone - together) / min(gather, alone)], dtype=torch.float64)
-    dist.all_reduce(share, op=dist.ReduceOp.MIN, group=group)
-    return min(max(float(share), 0.0), 1.0)
+    [share] = reduced_across_ranks([(gather + alone - together) / min(gather, alone)], dist.ReduceOp.MIN, group)
+    return min(max(share, 0.0), 1.0)
 
 
 def fitted(measure, ranks: int, attempts: int = 3) -> tuple[tuple, LinkCost]:
@@ -235,14 +235,12 @@ def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, re
     if dtype != torch.float32:
         where += f", {str(dtype).removeprefix('torch.')} matmul"
     # the slowest rank's rate: every rank gets the same numbers, so an auto plan made from them is the same
-    rate = torch.tensor([matmul_flops_per_s(device, dtype=dtype)], dtype=torch.float64)
-    dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
+    [rate] = reduced_across_ranks([matmul_flops_per_s(device, dtype=dtype)], dist.ReduceOp.MIN, group)
     overlap = overlap_share(group, device) if ranks > 1 else 1.0
     # the slowest rank's times, the slowest rank's rates
     op_s, memory_rate, tensor_s, optimizer_rate = host_costs(device)
-    slowest = torch.tensor([op_s, 1 / memory_rate, tensor_s, 1 / optimizer_rate], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    op_s, memory_s, tensor_s, optimizer_s = slowest.tolist()
+    slowest = [op_s, 1 / memory_rate, tensor_s, 1 / optimizer_rate]
+    op_s, memory_s, tensor_s, optimizer_s = reduced_across_ranks(slowest, dist.ReduceOp.MAX, group)
     cost = CostInputs(link, float(rate), where, overlap=overlap, op_s=op_s, memory_bytes_per_s=1 / memory_s,
                       host_async=device.type == "cuda", optimizer_tensor_s=tensor_s,
                       optimizer_bytes_per_s=1 / optimizer_s)

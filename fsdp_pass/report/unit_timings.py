@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
+from fsdp_pass.groups import reduced_across_ranks
 from fsdp_pass.plan.cost_model import LinkCost
 from fsdp_pass.report.step_stats import StepStats, step_stats
 from fsdp_pass.transform import FSDP
@@ -44,9 +45,7 @@ class UnitTiming:
 
 
 def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return reduced_across_ranks([seconds], dist.ReduceOp.MAX)[0]
 
 
 def time_plans(
