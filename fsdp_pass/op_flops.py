@@ -17,7 +17,11 @@ def numel(proxy) -> int:
 def is_matmul_like(bsym) -> bool:
     """A matmul, a linear or an attention: an op the matmul rate times, not the memory rate."""
     name = str(bsym.sym.name)
-    return name in ("matmul", "linear") or "scaled_dot_product" in name
+    return name in ("matmul", "linear") or is_attention(bsym)
+
+
+def is_attention(bsym) -> bool:
+    return "scaled_dot_product" in str(bsym.sym.name)
 
 
 def estimated_flops(bsym) -> int:

@@ -59,15 +59,17 @@ from fsdp_pass.verify.same_collectives_on_all_ranks import (
 )
 
 
-def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOptions, grad_sync=(REDUCE, None)):
+def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOptions, grad_sync=(REDUCE, None),
+                    executors=()):
     """Stages 1-3 on Thunder's prologue and functional forward trace: ``(prologue, computation, plan, options)``,
     the last the options the plan was made with (the auto plan's, under ``FSDP("auto")``; else ``options``).
 
     ``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode of :mod:`fsdp_pass.ops.grad_accumulation`
-    this compile is for (``accumulators`` None: no ``no_sync`` check in the prologue).
+    this compile is for (``accumulators`` None: no ``no_sync`` check in the prologue); ``executors``: Thunder's
+    executor list for this compile (the step summary reads which attentions run fused).
     """
     param_of_arg = parameter_names_of_args(prologue, computation)
-    summary = step_summary(computation, param_of_arg, model, options)
+    summary = step_summary(computation, param_of_arg, model, options, executors)
     auto = None
     if options.auto is not None:
         options, auto = options_from_auto_plan(summary, model, options)

@@ -198,7 +198,7 @@ class FSDP(Transform):
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         grad_sync = (self.accumulators.mode(), self.accumulators)
         prologue_trace, computation_trace, plan, options = rewrite_forward(
-            prologue_trace, computation_trace, self.model, self.options, grad_sync
+            prologue_trace, computation_trace, self.model, self.options, grad_sync, kwargs.get("executors_list", ())
         )
         self.compiled_step = CompiledStep(plan, options)
         return prologue_trace, computation_trace, epilogue_trace

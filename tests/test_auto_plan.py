@@ -4,6 +4,7 @@ summaries; then ``FSDP("auto")`` in a dry run and on gloo ranks against a single
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +17,7 @@ from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.step_model import Candidate, UnitCost, peak_of, predict, unit_costs
 from fsdp_pass.plan.step_summary import Piece, StepSummary
 from fsdp_pass.text import human_bytes
-from tests import auto_cases
+from tests import auto_cases, explain_cases
 from tests.dry_runs import model_dry_run
 
 MiB = 2**20
@@ -314,3 +315,44 @@ def test_gradient_shards_count_from_their_reduce_scatter_to_the_optimizer_step()
     assert peak_of(units(100, 10), resharded, names, persistent) == (persistent + 300, "optimizer step")
     offloaded = replace(resharded, offload=True)  # the gradient shards go to the host
     assert peak_of(units(10, 0), offloaded, names, 0) == (0, "between steps")
+
+
+def test_an_attention_computed_op_by_op_keeps_its_scores_and_the_summary_counts_them():
+    """Without an executor that runs attention as one kernel (torch's SDPA on CUDA), Thunder computes it op by op
+    and the forward keeps b·h·s·s scores for the backward: the summary counts what the traces keep."""
+    from thunder.core import dtypes
+    from thunder.core.proxies import TensorProxy
+    from thunder.core.pytree import tree_flatten
+
+    from fsdp_pass.plan.auto_options import fused_attention
+    from fsdp_pass.plan.step_summary import attention_scores_bytes
+    from fsdp_pass.predicates import is_return
+
+    run = model_dry_run(2, "zero3")  # test_explain's, on the CPU list: no attention kernel
+    (ret,) = [b for b in run.forward.bound_symbols if is_return(b)]
+    saved, _ = tree_flatten(ret.args[1])
+    scores = [t for t in saved if isinstance(t, TensorProxy) and t.ndim == 4 and t.shape[-1] == t.shape[-2] > 1]
+    cfg = explain_cases.CONFIG
+    b, h, s = cfg["local_batch"], cfg["n_head"], cfg["seq"]
+    per_layer = b * h * s * s * (2 * 4 + 1)  # two float32 scores and the causal mask
+    assert sum(int(t.numel) * t.dtype.bytes for t in scores) == cfg["n_layer"] * per_layer
+
+    query = SimpleNamespace(shape=(b, h, s, 16), numel=b * h * s * 16, dtype=dtypes.float32)
+    Attention = SimpleNamespace(args=(query, query, query), kwargs={"is_causal": True})  # a bound symbol's part
+
+    assert attention_scores_bytes(Attention) == per_layer
+    summary = run.fsdp.compiled_step.plan.summary
+    attn = [p for p in summary.pieces if p.name.endswith(".attn")]
+    q_k_v_and_output = 4 * b * s * cfg["d"] * 4  # what the attention itself reads and writes, kept too
+    assert len(attn) == cfg["n_layer"] and all(p.activation_bytes >= per_layer + q_k_v_and_output for p in attn)
+
+    class Kernel:
+        def __init__(self, name, takes):
+            self.name, self.takes = name, takes
+
+        def can_execute(self, bsym):
+            return self.takes
+
+    assert fused_attention([Kernel("sdpa", True)])(Attention)
+    assert not fused_attention([Kernel("sdpa", False), Kernel("torch", True)])(Attention)  # torch decomposes it
+    assert not fused_attention(None)(Attention)

@@ -83,12 +83,25 @@ def agreed_settings(settings: AutoSettings, device, group) -> AutoSettings:
     return settings
 
 
-def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDPOptions) -> StepSummary:
-    """What the step model reads of the functional forward trace ``computation`` (for any plan, auto or not)."""
+# executors that run an attention as one kernel with a backward of their own (when their checker takes it:
+# torch's SDPA kernels want CUDA tensors); Thunder's torch executor and the fusion executors decompose it
+ATTENTION_KERNEL_EXECUTORS = ("sdpa", "cudnn", "nvfuser")
+
+
+def fused_attention(executors):
+    """``bsym -> bool``: whether an executor of ``executors`` (Thunder's executor list) runs that attention as one
+    kernel, which keeps no b·h·s·s scores for the backward."""
+    kernels = [ex for ex in executors or () if getattr(ex, "name", None) in ATTENTION_KERNEL_EXECUTORS]
+    return lambda bsym: any(ex.can_execute(bsym) for ex in kernels)
+
+
+def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDPOptions, executors=()) -> StepSummary:
+    """What the step model reads of the functional forward trace ``computation`` (for any plan, auto or not);
+    ``executors``: the list it will be lowered with (which attentions run fused)."""
     inp, _ = policy_input(computation, param_of_arg, model.sharding, model.tree)
     states = options.auto.optimizer_states if options.auto is not None else AutoSettings.optimizer_states
     return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, states,
-                     model.groups.replicas)
+                     model.groups.replicas, fused_attention(executors))
 
 
 def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):

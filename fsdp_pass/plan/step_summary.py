@@ -17,7 +17,10 @@ Read off the functional forward trace, before any rewriting:
 4. ``activation_bytes``: those ops' results that a later op needs for its own gradient (a matmul's input,
    a product's factor, a normalization's or an activation function's input), views and results read only
    by sums, copies and re-layouts left out: an estimate of what the backward keeps (Thunder's autodiff may
-   save other tensors, fusion recomputes some). The dry run's traced peak (``explain()``) is the check on it.
+   save other tensors, fusion recomputes some). An attention that no executor runs as one kernel with a
+   backward of its own is computed op by op, and keeps b·h·s_q·s_k scores twice (the softmax's input and
+   output) and its mask; a fused kernel (torch's SDPA on CUDA) keeps a log-sum-exp per row, left out. The dry run's
+   traced peak (``explain()``) is the check on it.
 
 5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
    views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them); ``moved_bytes``: what the ops that are
@@ -30,8 +33,8 @@ Read off the functional forward trace, before any rewriting:
 7. ``replicas`` (of the whole step): under HSDP, how many copies of the shard group all-reduce each reduced
    gradient shard (``ranks`` is the shard group's size).
 
-No process group, no tensors: a pure function of the trace and the sharding plan, so the planner can be
-tested on hand-made summaries.
+No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused
+(``fused_attention(bsym)``), so the planner can be tested on hand-made summaries.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from fsdp_pass.op_flops import estimated_flops, is_matmul_like
+from fsdp_pass.op_flops import estimated_flops, is_attention, is_matmul_like
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
@@ -121,7 +124,18 @@ def _tensor_bytes(proxies) -> int:
     return sum(int(p.numel) * p.dtype.bytes for p in proxies if getattr(p, "shape", None) is not None)
 
 
-def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int):
+def attention_scores_bytes(bsym) -> int:
+    """What an attention computed op by op keeps for its backward besides its inputs and output: its scores
+    before and after the softmax, b·h·s_q·s_k each in the query's dtype, and for a causal or masked one the
+    mask broadcast to them, a byte each."""
+    q, k = bsym.args[0], bsym.args[1]
+    scores = (int(q.numel) // int(q.shape[-1])) * int(k.shape[-2])
+    mask = bsym.kwargs.get("attn_mask", bsym.args[3] if len(bsym.args) > 3 else None)
+    causal = bsym.kwargs.get("is_causal", bsym.args[5] if len(bsym.args) > 5 else False)
+    return scores * (2 * q.dtype.bytes + (1 if causal or mask is not None else 0))
+
+
+def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False):
     """FLOPs, kept result bytes, op counts and elementwise bytes moved of the forward's ops, each charged to the
     piece whose parameter the trace read last before it."""
     flops, acts, ops, moved = [0.0] * n, [0] * n, [0] * n, [0] * n
@@ -143,6 +157,8 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int):
         ops[current] += 1
         if not is_view_like(bsym):
             acts[current] += _tensor_bytes(o for o in bsym.flat_proxy_outs if readers.get(o.name, 0) > 0)
+            if is_attention(bsym) and not fused_attention(bsym):
+                acts[current] += attention_scores_bytes(bsym)
             if not is_matmul_like(bsym):
                 moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
     return flops, acts, ops, moved
@@ -156,13 +172,15 @@ def summarize(
     precision: MixedPrecision,
     optimizer_states: int = 2,
     replicas: int = 1,
+    fused_attention=lambda bsym: False,
 ) -> StepSummary:
     """The pieces of the functional forward trace ``computation`` (``inp``: what a unit policy sees of it);
-    ``replicas``: HSDP's copies of the shard group (1 without HSDP)."""
+    ``replicas``: HSDP's copies of the shard group (1 without HSDP); ``fused_attention(bsym)``: whether an
+    executor runs that attention as one kernel (item 4)."""
     found = _pieces_of(inp)
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
-    flops, acts, ops, moved = _ops_by_piece(computation, piece_of_arg, len(found))
+    flops, acts, ops, moved = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention)
 
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).layout.numel * (dtype.itemsize if dtype else sharding.param(p).itemsize)
