@@ -88,7 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--cost", default="probe", choices=["probe", *sorted(DEFAULTS)],
                    help="what the step model prices our rows with: a probe of these ranks, or a default set")
     p.add_argument("--only", default=None, help=f"comma list of {', '.join(SYSTEMS)}")
-    p.add_argument("--out", default=None, help="also write the table to this file")
+    p.add_argument("--out", default=None,
+                   help="also write the table to this file, and the explain() and step model of each row of "
+                        "ours to OUT.plans.txt")
     return p.parse_args(argv)
 
 
@@ -259,8 +261,12 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
         except Exception as e:  # noqa: BLE001 - the row says so and the run goes on
             traceback.print_exc()
             results.append({"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"})
+        report = results[-1].pop("report", None)
         if rank == 0:
             print(f"[bench.gpu] {results[-1]}", file=sys.stderr, flush=True)
+            if report and args.out:  # the row's plan: explain() and the step model's prediction
+                with open(f"{args.out}.plans.txt", "a") as f:
+                    f.write(f"=== {name}\n{report}\n")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:

@@ -57,8 +57,10 @@ class OursTrainer(Trainer):
         fsdp = fsdp_of(self.module)
         model = fsdp.predict_step(self.cost)
         before_step = fsdp.compiled_step.plan.summary.state_bytes  # shards and AdamW state (no offload here)
-        return {"predicted_above": fsdp.explain().memory.step.peak_bytes, "model_ms": model.step_s * 1e3,
-                "model_peak": model.peak_bytes, "model_step_peak": model.peak_bytes - before_step}
+        explanation = fsdp.explain()
+        return {"predicted_above": explanation.memory.step.peak_bytes, "model_ms": model.step_s * 1e3,
+                "model_peak": model.peak_bytes, "model_step_peak": model.peak_bytes - before_step,
+                "report": f"{explanation}\n\nstep model, {self.cost}:\n{model}\n"}
 
 
 def _fsdp2(model, device, compile_layers: bool):

@@ -129,17 +129,20 @@ DEFAULTS = {
     # bus bandwidths near 360 GB/s for large all-gathers within one 8-GPU node. NCCL's latency for a small
     # collective on NVLink: about 10-20 us.
     # Host copies: PCIe Gen5 x16 is 64 GB/s each way; pinned copies reach about 50 GB/s.
-    # The rest of the step (estimates, not measured here: no GPU was lent when they were written): HBM3 at
-    # 3.35 TB/s, of which elementwise kernels reach about 80 %; a kernel launched from Thunder's Python trace
-    # costs the host about 10 us, and the host runs ahead of the GPU; torch's AdamW on CUDA (foreach) reads
-    # parameter, gradient and both states and writes three of them, 28 bytes per float32 parameter: 4/28 of the
-    # memory rate in parameter bytes, and a few microseconds per tensor.
+    # The rest of the step, measured on one H100 80GB HBM3 of this workplace, 2026-11-25, by `probe` at one rank
+    # (NCCL; `python -m fsdp_pass probe` and bench.gpu's probes, five runs): a tiny op costs the host 6.8 / 8.4 /
+    # 9.8 / 12.8 / 14.3 us (the median, 10 us, is what we had estimated), and the host runs ahead of the GPU;
+    # a 64 MiB elementwise multiply moves 2.80 / 2.81 / 2.84 / 2.89 / 2.94 TB/s (85 % of HBM3's 3.35; the
+    # median); torch's AdamW (foreach on CUDA) takes 16.4 us per parameter tensor and steps 136 GB of float32
+    # parameters per second (one run; 4/28 of the memory rate, its 28 bytes of traffic per parameter, would be
+    # 400: its foreach ops write temporaries). The float32 matmul at 4096 ran at 51 TFLOP/s, the bfloat16 one at
+    # 653; this set keeps 60 % of the datasheet's bfloat16 rate, nearer what the model's smaller GEMMs reach.
     # Across nodes (HSDP's replicas): one 400 Gb/s InfiniBand NDR adapter per GPU (DGX H100), 50 GB/s each way, of
     # which nccl-tests reach about 90 % across nodes; latency a few tens of microseconds (estimates).
     "h100-nvlink": CostInputs(
-        LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 SXM datasheet, NVLink 4, nccl-tests, PCIe Gen5, HBM3, IB NDR", 50e9,
-        op_s=10e-6, memory_bytes_per_s=0.8 * 3.35e12, host_async=True, optimizer_tensor_s=5e-6,
-        optimizer_bytes_per_s=0.8 * 3.35e12 * 4 / 28, replicate_link=LinkCost(30e-6, 45e9),
+        LinkCost(15e-6, 360e9), 0.6 * 989e12, "H100 datasheet, NVLink 4, nccl-tests, IB NDR; host, HBM probed", 50e9,
+        op_s=10e-6, memory_bytes_per_s=2.84e12, host_async=True, optimizer_tensor_s=16.4e-6,
+        optimizer_bytes_per_s=136e9, replicate_link=LinkCost(30e-6, 45e9),
     ),
     # this project's 2-core development machine, 2 gloo ranks on loopback (one thread each), idle (load average
     # 0.3), 2026-11-24, `python -m fsdp_pass probe --local-ranks 2` three times: alpha 313 / 267 / 195 us, beta
