@@ -356,3 +356,18 @@ def test_an_attention_computed_op_by_op_keeps_its_scores_and_the_summary_counts_
     assert fused_attention([Kernel("sdpa", True)])(Attention)
     assert not fused_attention([Kernel("sdpa", False), Kernel("torch", True)])(Attention)  # torch decomposes it
     assert not fused_attention(None)(Attention)
+
+
+def test_units_stay_one_per_block_unless_the_moves_shorten_the_step_by_two_percent():
+    """Merges and splits that together promise less than 2 % are not worth the change: the model cannot promise
+    so little (README, the GPU table). Where they promise more, they are taken."""
+    link = CostInputs(LinkCost(2e-3, 20e9), 1e12, "hand-made")
+    small = plan_step(summary(sizes_mib=(10,) * 6, flops=2.3e9), link, None, offload=False)
+    blocks = dict(small.compared)["blocks, ZeRO-2, prefetch 1"]
+    assert len(small.candidate.starts) == 6 and small.prediction.step_s == blocks.step_s
+    [why] = [r for r in small.reasons if r.startswith("units:")]
+    assert "less than 2% faster" in why and "(1)" in why  # the one merge found, given up
+    worth = plan_step(summary(sizes_mib=(10,) * 6, flops=2e9), link, None, offload=False)
+    blocks = dict(worth.compared)["blocks, ZeRO-2, prefetch 1"]
+    assert len(worth.candidate.starts) == 5 and worth.prediction.step_s < 0.98 * blocks.step_s
+    assert any(r.startswith("layers") or " merged: " in r for r in worth.reasons)
