@@ -131,7 +131,7 @@ DEFAULTS = {
     # Host copies: PCIe Gen5 x16 is 64 GB/s each way; pinned copies reach about 50 GB/s.
     # The rest of the step, measured on one H100 80GB HBM3 of this workplace, 2026-11-25, by `probe` at one rank
     # (NCCL; `python -m fsdp_pass probe` and bench.gpu's probes, five runs): a tiny op costs the host 6.8 / 8.4 /
-    # 9.8 / 12.8 / 14.3 us (the median, 10 us, is what we had estimated), and the host runs ahead of the GPU;
+    # 9.8 / 12.8 / 14.3 us (the median, 9.8 us: the 10 us we had estimated stays), and the host runs ahead;
     # a 64 MiB elementwise multiply moves 2.80 / 2.81 / 2.84 / 2.89 / 2.94 TB/s (85 % of HBM3's 3.35; the
     # median); torch's AdamW (foreach on CUDA) takes 16.4 us per parameter tensor and steps 136 GB of float32
     # parameters per second (one run; 4/28 of the memory rate, its 28 bytes of traffic per parameter, would be

@@ -128,11 +128,11 @@ def attention_scores_bytes(bsym) -> int:
     """What an attention computed op by op keeps for its backward besides its inputs and output: its scores
     before and after the softmax, b·h·s_q·s_k each in the query's dtype, and for a causal or masked one the
     mask broadcast to them, a byte each."""
-    q, k = bsym.args[0], bsym.args[1]
+    args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), bsym.args), **bsym.kwargs)
+    q, k = args["query"], args["key"]
     scores = (int(q.numel) // int(q.shape[-1])) * int(k.shape[-2])
-    mask = bsym.kwargs.get("attn_mask", bsym.args[3] if len(bsym.args) > 3 else None)
-    causal = bsym.kwargs.get("is_causal", bsym.args[5] if len(bsym.args) > 5 else False)
-    return scores * (2 * q.dtype.bytes + (1 if causal or mask is not None else 0))
+    masked = args.get("is_causal") or args.get("attn_mask") is not None
+    return scores * (2 * q.dtype.bytes + (1 if masked else 0))
 
 
 def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False):
