@@ -104,13 +104,21 @@ def has_peers(group) -> bool:
     return group is not None and dist.get_backend(group) != "fake" and dist.get_world_size(group) > 1
 
 
+def reduce_device(group=None, gpu=None) -> torch.device:
+    """Where a small tensor is all-reduced over ``group`` (the default group if None): on the host under gloo or
+    without a GPU, else on the GPU (NCCL reduces no host tensors, nor does the backend ``init_process_group()``
+    picks on a GPU): ``gpu``, or this rank's current one."""
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_backend(group) == "gloo" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device(gpu) if gpu is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def reduced_across_ranks(values, op, group=None) -> list[float]:
     """``values`` reduced elementwise over the ranks of ``group`` (the default group if None) by ``op``, as
-    float64, in a tensor where the group's backend takes one: on the host under gloo, else on this rank's GPU if
-    it has one (NCCL reduces no host tensors, nor does the backend ``init_process_group()`` picks on a GPU)."""
+    float64, on :func:`reduce_device`."""
     group = group if group is not None else dist.group.WORLD
-    on_gpu = torch.cuda.is_available() and dist.get_backend(group) != "gloo"
-    reduced = torch.tensor(values, dtype=torch.float64, device=torch.cuda.current_device() if on_gpu else "cpu")
+    reduced = torch.tensor(values, dtype=torch.float64, device=reduce_device(group))
     dist.all_reduce(reduced, op=op, group=group)
     return reduced.tolist()
 

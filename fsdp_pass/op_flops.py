@@ -35,7 +35,7 @@ def estimated_flops(bsym) -> int:
         return 0
     if name in ("matmul", "linear") and tensors_in and tensors_in[0].shape:
         return 2 * numel(tensors_out[0]) * tensors_in[0].shape[-1]
-    if "scaled_dot_product" in name and len(tensors_in) >= 2 and len(tensors_in[0].shape) >= 2:
+    if is_attention(bsym) and len(tensors_in) >= 2 and len(tensors_in[0].shape) >= 2:
         q, k = tensors_in[0], tensors_in[1]
         return 4 * numel(q) * k.shape[-2]
     return max(numel(p) for p in tensors_out)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from fsdp_pass.api import fsdp_of
 from fsdp_pass.errors import check, fail
+from fsdp_pass.groups import reduce_device
 from fsdp_pass.text import format_table
 
 NOT_COMPILED = "(not compiled yet)"
@@ -81,11 +82,6 @@ def _check_norm_type(norm_type) -> float:
     return p
 
 
-def _reduce_device(group, fallback: torch.device) -> torch.device:
-    """Where the per-parameter vector is all-reduced: the GPU for NCCL, the CPU for the others."""
-    return fallback if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
 def _local_part(grad: torch.Tensor | None, p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's part of one parameter's norm, whether it has a NaN), as float64 0-d tensors."""
     if grad is None or grad.numel() == 0:
@@ -120,7 +116,7 @@ def _trainable(jm):
 def _norm_vector(jm, p: float):
     """(transform, entries, every parameter's norm^p (max for inf) over all ranks, as a float64 CPU tensor)."""
     fsdp, entries = _trainable(jm)
-    device = _reduce_device(fsdp.group, fsdp.model.device or torch.device("cpu"))
+    device = reduce_device(fsdp.group, fsdp.model.device)
     parts = [t.to(device) for _, _, param in entries for t in _local_part(param.grad, p)]
     vector = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     dist.all_reduce(vector, op=dist.ReduceOp.MAX if p == math.inf else dist.ReduceOp.SUM, group=fsdp.group)
