@@ -34,6 +34,7 @@ from fsdp_pass_executors import executors_for
 
 from bench.model import loss_fn
 from fsdp_pass import FSDP, BySize, Schedule, no_sync
+from fsdp_pass.errors import FSDPError
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.report.step_stats import step_stats
@@ -41,7 +42,7 @@ from fsdp_pass.report.step_stats import step_stats
 LR = 1e-3
 
 # Columns filled by ``System.extra_stats``; always printed, "—" where a system has no value.
-EXTRA_COLUMNS = ("peak unsharded MB", "step peak MB")
+EXTRA_COLUMNS = ("units", "peak unsharded MB", "model ms", "model step peak MB", "step peak MB")
 
 BF16 = MixedPrecision(torch.bfloat16, output_dtype=torch.float32)
 BF16_REDUCE = MixedPrecision(torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.float32)
@@ -61,8 +62,8 @@ OURS_CONFIGS = [
     ("ours zero2 by-size 1.7MB", "zero2", "by_size:1700000", 1, "ours"),
     ("ours zero2 by-size whole", "zero2", "by_size:1000000000", 1, "ours"),  # the whole model one unit
     # the auto planner: this machine's cost inputs, or measured on the ranks at hand; no budget, then one between
-    # the planner's predicted peaks of the blocks ZeRO-3 and ZeRO-2 plans (bench model, 4 layers, world 2: 21.3 and
-    # 23.1 MiB, `python -m bench.plan_check`)
+    # the planner's predicted peaks of the blocks ZeRO-3 and ZeRO-2 plans (bench model, 4 layers, world 2: 21.9 and
+    # 23.6 MiB, `python -m bench.plan_check`)
     ("ours auto", "auto", "blocks", 1, "ours", {"cost": "cpu-gloo"}),
     ("ours auto probed", "auto", "blocks", 1, "ours", {"cost": "probe"}),  # cost inputs measured on these ranks
     ("ours auto 22MiB", "auto", "blocks", 1, "ours", {"cost": "cpu-gloo", "memory_budget": "22MiB"}),
@@ -274,6 +275,25 @@ def trace_stats(trainer: Trainer) -> dict:
     return {"peak unsharded MB": f"{stats.peak_gathered_bytes / 1e6:.3f}"}
 
 
+def ours_stats(trainer: Trainer) -> dict:
+    """``trace_stats``, and the plan the row ran: its units (how many reshard after forward) and what the auto
+    planner's step model predicts for it (``FSDP.predict_step``: an auto row with its own cost inputs, the others
+    with the ``cpu-gloo`` defaults), the peak less what lives before the step, as ``step peak MB`` measures it; none
+    for rows of several micro-batches per step."""
+    transform = trainer.transform
+    plan = transform.compiled_step.plan
+    resharded = sum(u.reshard_after_forward for u in plan.units)
+    stats = trace_stats(trainer) | {"units": f"{len(plan.units)} ({resharded} resharded)"}
+    if trainer.micro_batches > 1:  # the model prices one forward and backward per optimizer step
+        return stats
+    try:
+        model = transform.predict_step()
+    except FSDPError:  # units the model cannot price (per-parameter ones cut its pieces): no prediction
+        return stats
+    return stats | {"model ms": f"{model.step_s * 1e3:.1f}",
+                    "model step peak MB": f"{(model.peak_bytes - model.persistent_bytes) / 1e6:.2f}"}
+
+
 def full_model_stats(trainer: Trainer) -> dict:
     """DDP keeps every parameter unsharded all the time."""
     return {"peak unsharded MB": f"{sum(p.numel() * p.element_size() for p in trainer.module.parameters()) / 1e6:.3f}"}
@@ -302,14 +322,14 @@ def all_systems() -> list[System]:
         note = THUNDER_ZERO3_NOTE if st == "ZERO3" else None
         systems.append(System(name, thunder_fsdp_builder(st, bucket), st.lower(), extra_stats=trace_stats, note=note))
     systems += [
-        System(name, ours_builder(*config), config[0], extra_stats=trace_stats, note=OURS_NOTES.get(name))
+        System(name, ours_builder(*config), config[0], extra_stats=ours_stats, note=OURS_NOTES.get(name))
         for name, *config in OURS_CONFIGS
     ]
     hsdp = f"{HSDP_REPLICAS} replicas x world/{HSDP_REPLICAS} ranks per shard group; needs --world 4 or more"
     systems += [
         System("fsdp2 hsdp", build_fsdp2_hsdp, "zero3", replicas=HSDP_REPLICAS,
                note=f"fsdp2 hsdp: fully_shard on a 2-D mesh ({hsdp}); default resharding"),
-        System("ours zero3 hsdp", build_ours_hsdp, "zero3", extra_stats=trace_stats, replicas=HSDP_REPLICAS,
+        System("ours zero3 hsdp", build_ours_hsdp, "zero3", extra_stats=ours_stats, replicas=HSDP_REPLICAS,
                note=f"ours zero3 hsdp: FSDP('zero3', mesh=2-D mesh) ({hsdp}), blocks, prefetch 1"),
     ]
     return systems

@@ -38,7 +38,12 @@ Columns:
   first s        time of the first step (compile included)
   loss           mean over ranks of the loss at the last timed step (the same data and init for
                  every system, so sharded systems should agree with each other and with ddp)
+  units          our rows: the plan's units, and how many of them reshard after forward (an auto row whose plan
+                 differed between rounds lists each round's)
   peak unsharded MB  gathered parameters alive at once at most, read off the final traces (Thunder rows)
+  model ms, model step peak MB  our rows: the auto planner's step model on the row's plan (``FSDP.predict_step``;
+                 an auto row's own cost inputs, the ``cpu-gloo`` defaults for the others): its step time, and
+                 its peak less what lives before the step, as ``step peak MB`` measures it
   replicate MB/rank  HSDP rows: of MB/rank, what the all-reduces over the replicate group send (what would
                  cross nodes); the rest runs in the shard groups
   step peak MB   rank 0, measured (``fsdp_pass.report.measure``): bytes a whole training step (forward,
@@ -291,6 +296,9 @@ def over_rounds(per_round: list[dict]) -> dict:
     out["first_s"] = statistics.median(r["first_s"] for r in per_round)
     waits = [r["wait_ms"] for r in per_round if r["wait_ms"] is not None]
     out["wait_ms"] = statistics.median(waits) if waits else None
+    plans = list(dict.fromkeys((r.get("extra") or {}).get("units") for r in per_round))
+    if len(plans) > 1:  # a plan made from a probe can differ between rounds: the row says so
+        out["extra"] = dict(out["extra"], units=" | ".join(map(str, plans)))
     return out
 
 
