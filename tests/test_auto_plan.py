@@ -151,7 +151,8 @@ def test_step_model_issues_gathers_where_the_schedule_does():
     early = predict(s, only_b1, link)
     assert (early.peak_bytes, early.peak_at) == (zero2.peak_bytes, "backward of b4.p0")
     late = predict(s, replace(only_b1, depths=(1, 0, 1, 1, 1)), link)
-    assert late.peak_bytes < zero2.peak_bytes and late.peak_at == "backward of b1.p0"
+    # held neither at the end of the forward nor from the top of the backward: its 60 MiB off the peak
+    assert late.peak_bytes == zero2.peak_bytes - 60 * MiB
     assert late.step_s > early.step_s  # its gather no longer overlaps compute
     # the forward: the leading units kept for the backward are all gathered at the top, whatever the depth
     assert predict(s, replace(per_block(s, [False] * 5), prefetch=0), link).step_s == zero2.step_s
@@ -160,7 +161,7 @@ def test_step_model_issues_gathers_where_the_schedule_does():
 def test_units_get_prefetch_depths_of_their_own_where_that_is_faster_within_the_budget():
     s = summary(sizes_mib=(20, 60, 20, 20, 20), act_mib=30, flops=4e10)
     link = CostInputs(LinkCost(10e-6, 20e9), 1e12, "hand-made")
-    budget = 350 * MiB  # the big unit must be gathered late, the others can be prefetched
+    budget = 266 * MiB  # the big unit must be gathered late, the units after it can be prefetched
     plan = plan_step(s, link, budget, offload=False)
     assert plan.prediction.peak_bytes <= budget and plan.prefetch_by_unit
     uniform = predict(s, replace(plan.candidate, depths=()), link)
@@ -371,3 +372,31 @@ def test_units_stay_one_per_block_unless_the_moves_shorten_the_step_by_two_perce
     blocks = dict(worth.compared)["blocks, ZeRO-2, prefetch 1"]
     assert len(worth.candidate.starts) == 5 and worth.prediction.step_s < 0.98 * blocks.step_s
     assert any(r.startswith("layers") or " merged: " in r for r in worth.reasons)
+
+
+def test_a_units_backward_peaks_at_one_of_its_ends_plus_its_working_set():
+    """A unit's backward starts with its parameters gathered and its activations kept, and ends with its gradients
+    packed (twice their bytes) and the two freed; the gradients flowing through it (its working set, in its
+    largest forward result) are there throughout. Adding the start's parameters and activations to the end's
+    gradients, as the model once did, put the 7B dry run's peak 35 % above its traces."""
+    names = ["u0", "u1"]
+    kept = Candidate((0, 1), (False, False))
+
+    def unit(gathered, grads, acts, working=0):
+        return UnitCost(gathered, grads, 0, acts, 0.0, 0.0, 0.0, working=working)
+
+    # u1's backward: u0 kept; the start (u1's parameters and everyone's activations) is the larger end
+    assert peak_of([unit(10, 10, 100), unit(50, 50, 100)], kept, names, 0) == (10 + 50 + 200, "forward of u1")
+    assert peak_of([unit(10, 10, 100), unit(50, 50, 100, working=7)], kept, names, 0) == (267, "backward of u1")
+    # the end: u1's gradients and their flat buffer, u1's parameters and activations freed
+    assert peak_of([unit(10, 10, 10), unit(50, 200, 10)], kept, names, 0) == (10 + 10 + 400, "backward of u1")
+
+    # on a model: at 2 ranks the step model's peak is above the traces', by no more than a tenth (at 1 rank the
+    # traces hold a re-gathered unit's buffer beside the parameters cut out of it through its backward: 0.4 % more
+    # than the model there)
+    for world, strategy, low in ((2, "zero3", 1.0), (2, "zero2", 1.0), (1, "zero3", 0.99)):
+        run = model_dry_run(world, strategy)
+        predicted, traced = run.predict_step().peak_bytes, run.explanation.memory.peak
+        assert low * traced <= predicted <= 1.1 * traced, (world, strategy, human_bytes(predicted), human_bytes(traced))
+    logits = explain_cases.CONFIG["local_batch"] * explain_cases.CONFIG["seq"] * explain_cases.CONFIG["vocab"] * 4
+    assert run.fsdp.compiled_step.plan.summary.pieces[-1].largest_result_bytes == logits  # the lm_head's

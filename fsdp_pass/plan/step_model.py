@@ -33,7 +33,7 @@ queues and the optimizer are done; what is neither compute nor the optimizer is 
 the two queues share the same cores (``CostInputs.overlap`` below 1: gloo's threads and the compute on one CPU),
 the communication that ran beside compute slows it by the share it does not hide.
 
-Memory, per rank, at the start of each unit's forward and backward:
+Memory, per rank, at the end of each unit's forward and at both ends of its backward:
 
 - between steps: the shards and the optimizer states (neither with offload);
 - gradient shards: each unit's from its reduce-scatter in the backward until the optimizer has stepped (torch's
@@ -41,9 +41,12 @@ Memory, per rank, at the start of each unit's forward and backward:
 - gathered units: those kept for the backward (not resharded) since their forward, the unit computing, and
   the gathers issued and not yet used;
 - activations: every piece's up to this point of the forward, or not yet passed back in the backward;
-- in the backward, the unit's gradients and the flat buffer they are packed into (twice its gradient
-  bytes) and the buffers of the two reduce-scatters still in flight, and the gradient of the forward's
-  output, which the autograd engine holds through the whole backward.
+- in the backward, the buffers of the two reduce-scatters still in flight, the gathers issued and not yet used,
+  the gradient of the forward's output, which the autograd engine holds through the whole backward, and the
+  larger of the unit's two ends: its start (its gathered parameters, its activations, and its working set:
+  :data:`WORKING_RESULTS` times its largest forward result, the gradient an op receives, the one it makes, a
+  temporary) and its end (its gradients and the flat buffer they are packed into, twice its gradient bytes,
+  its parameters and activations freed: the ops that make the gradients read them for the last time).
 
 Not modelled: ``Schedule.max_unused_bytes``, scratch memory inside an op, fusion (a fused region is one op with
 less memory traffic: the inputs' op and byte terms are then upper bounds).
@@ -65,6 +68,9 @@ REDUCE_SCATTERS_IN_FLIGHT = 2  # the default Schedule's bound
 EXECUTED_OPS_PER_TRACE_OP = 1.9
 # FSDP's own ops per collective on the compute queue: pack, the collective, its wait, unpack (the final traces)
 OPS_PER_COLLECTIVE = 4
+# the backward's working set, in a unit's largest forward result: the gradient an op receives, the one it makes and
+# a temporary as large (the bench model's loss: the logits' gradient, log-softmax's and nll's; the traces, 2026-11-25)
+WORKING_RESULTS = 3
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class UnitCost:
     reduce_s: float
     gather_ops_s: float = 0.0  # on the compute queue: packing, issuing, waiting for, unpacking one gather
     reduce_ops_s: float = 0.0  # the same for its reduce-scatter
+    working: int = 0  # its backward's gradients of activations and temporaries
 
     def forward_total_s(self) -> float:
         return self.forward_s + self.gather_ops_s
@@ -154,6 +161,7 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)) if gathers else 0.0,
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)) if reduces else 0.0,
+                WORKING_RESULTS * max(p.largest_result_bytes for p in ps),
             )
         )
     return out
@@ -294,8 +302,12 @@ def peak_of(
             latest_wait += 1
         ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT])
-        live = persistent + reduced + kept + units[j].gathered + ahead + acts + 2 * units[j].grads + in_flight
-        live += output_grad
+        common = persistent + reduced + kept + ahead + in_flight + output_grad
+        # its backward starts with its parameters gathered, its activations kept and the gradients of its largest
+        # results being made, and ends with its gradients packed for the reduce-scatter, the rest freed: each op
+        # of it that makes a gradient frees what it read
+        start = units[j].gathered + acts + units[j].working
+        live = common + max(start, acts - units[j].activations + 2 * units[j].grads)
         if live > best:
             best, where = live, f"backward of {names[j]}"
         acts -= units[j].activations

@@ -24,7 +24,10 @@ Read off the functional forward trace, before any rewriting:
 
 5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
    views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them); ``moved_bytes``: what the ops that are
-   neither matmuls nor views read and write (elementwise ops, reductions, normalizations), their tensors' bytes.
+   neither matmuls nor views read and write (elementwise ops, reductions, normalizations), their tensors' bytes;
+   ``largest_result_bytes``: the largest floating-point result of those ops that the forward does not return (the
+   backward's working set is counted in these: the gradient an op receives, the one it makes, a temporary; the
+   returned results' gradients are item 6's).
 
 6. ``output_bytes`` (of the whole step): the forward's floating-point results, whose gradients the backward
    receives and torch's autograd engine holds until the backward returns (the logits, when the loss is
@@ -64,6 +67,7 @@ class Piece:
     activation_bytes: int  # what the forward keeps for the backward (an upper bound)
     ops: int = 0  # forward ops of the functional trace
     moved_bytes: int = 0  # bytes the forward's elementwise ops read and write
+    largest_result_bytes: int = 0  # the largest floating-point result of one of its ops, not returned
 
 
 @dataclass(frozen=True)
@@ -138,9 +142,10 @@ def attention_scores_bytes(bsym) -> int:
 def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False):
     """FLOPs, kept result bytes, op counts and elementwise bytes moved of the forward's ops, each charged to the
     piece whose parameter the trace read last before it."""
-    flops, acts, ops, moved = [0.0] * n, [0] * n, [0] * n, [0] * n
+    flops, acts, ops, moved, largest = [0.0] * n, [0] * n, [0] * n, [0] * n, [0] * n
     if n == 0:  # a model without parameters: no piece to charge
-        return flops, acts, ops, moved
+        return flops, acts, ops, moved, largest
+    outputs = {t.name for t in _outputs(computation)}  # their gradients: StepSummary.output_bytes
     readers: dict[str, int] = {}  # results read by an op whose gradient needs them
     for bsym in computation.bound_symbols:
         if str(bsym.sym.name) not in _GRADIENT_NEEDS_NO_INPUT and not is_view_like(bsym):
@@ -161,7 +166,10 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
                 acts[current] += attention_scores_bytes(bsym)
             if not is_matmul_like(bsym):
                 moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
-    return flops, acts, ops, moved
+            floats = [o for o in bsym.flat_proxy_outs
+                      if isinstance(o, TensorProxy) and dtypes.is_float_dtype(o.dtype) and o.name not in outputs]
+            largest[current] = max([largest[current], *(_tensor_bytes((o,)) for o in floats)])
+    return flops, acts, ops, moved, largest
 
 
 def summarize(
@@ -180,7 +188,7 @@ def summarize(
     found = _pieces_of(inp)
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
-    flops, acts, ops, moved = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention)
+    flops, acts, ops, moved, largest = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention)
 
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).layout.numel * (dtype.itemsize if dtype else sharding.param(p).itemsize)
@@ -198,18 +206,22 @@ def summarize(
             acts[i],
             ops[i],
             moved[i],
+            largest[i],
         )
         for i, (name, block, params) in enumerate(found)
     )
     return StepSummary(pieces, sharding.world_size, optimizer_states, _output_bytes(computation), replicas)
 
 
-def _output_bytes(computation) -> int:
-    """The bytes of the floating-point tensors the trace returns (under ``"output"`` when it returns a dict)."""
+def _outputs(computation) -> list[TensorProxy]:
+    """The floating-point tensors the trace returns (under ``"output"`` when it returns a dict)."""
     (ret,) = [b for b in computation.bound_symbols if is_return(b)]
     value = ret.args[0] if ret.args else None
     if isinstance(value, dict) and "output" in value:
         value = value["output"]
     flat, _ = tree_flatten(value)
-    floats = [t for t in flat if isinstance(t, TensorProxy) and dtypes.is_float_dtype(t.dtype)]
-    return sum(int(t.numel) * t.dtype.bytes for t in floats)
+    return [t for t in flat if isinstance(t, TensorProxy) and dtypes.is_float_dtype(t.dtype)]
+
+
+def _output_bytes(computation) -> int:
+    return _tensor_bytes(_outputs(computation))
