@@ -147,8 +147,9 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
         shard = sum(p.shard_bytes for p in ps)
         ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)
-        gathers = summary.ranks > 1
-        reduces = int(summary.ranks > 1) + int(summary.replicas > 1)  # a reduce-scatter, HSDP's all-reduce
+        # at every world size, one rank included: the traces gather and reduce-scatter there too (each a copy,
+        # the link costing nothing), and pack and unpack around them
+        reduces = 1 + int(summary.replicas > 1)  # a reduce-scatter, HSDP's all-reduce
         out.append(
             UnitCost(
                 gathered,
@@ -159,8 +160,8 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 cost.link.seconds(gathered, summary.ranks, ALL_GATHER),
                 cost.link.seconds(grads, summary.ranks, REDUCE_SCATTER) + _across_replicas_s(summary, grads, cost),
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
-                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)) if gathers else 0.0,
-                cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)) if reduces else 0.0,
+                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)),
+                cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)),
                 WORKING_RESULTS * max(p.largest_result_bytes for p in ps),
             )
         )
