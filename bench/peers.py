@@ -62,8 +62,8 @@ OURS_CONFIGS = [
     ("ours zero2 by-size 1.7MB", "zero2", "by_size:1700000", 1, "ours"),
     ("ours zero2 by-size whole", "zero2", "by_size:1000000000", 1, "ours"),  # the whole model one unit
     # the auto planner: this machine's cost inputs, or measured on the ranks at hand; no budget, then one between
-    # the planner's predicted peaks of the blocks ZeRO-3 and ZeRO-2 plans (bench model, 4 layers, world 2: 21.9 and
-    # 23.6 MiB, `python -m bench.plan_check`)
+    # the planner's predicted peaks of the blocks ZeRO-3 and ZeRO-2 plans (bench model, 4 layers, world 2: 21.6 and
+    # 24.1 MiB, `python -m bench.plan_check`)
     ("ours auto", "auto", "blocks", 1, "ours", {"cost": "cpu-gloo"}),
     ("ours auto probed", "auto", "blocks", 1, "ours", {"cost": "probe"}),  # cost inputs measured on these ranks
     ("ours auto 22MiB", "auto", "blocks", 1, "ours", {"cost": "cpu-gloo", "memory_budget": "22MiB"}),
