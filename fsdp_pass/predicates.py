@@ -1,4 +1,4 @@
-"""Named predicates over bound symbols, keyed on symbol ids (never on printed text).
+"""Named predicates over bound symbols, keyed on symbol ids (never on printed text), and over their proxies.
 
 The ids come from Thunder (its prims) and from :mod:`fsdp_pass.op_names` (this project's ops and the
 names its executor and Thunder's torch executor give the lowered collectives).
@@ -6,7 +6,8 @@ names its executor and Thunder's torch executor give the lowered collectives).
 
 from __future__ import annotations
 
-from thunder.core import prims
+from thunder.core import dtypes, prims
+from thunder.core.proxies import TensorProxy
 from thunder.distributed.prims import PrimIDs as DistIDs
 
 from fsdp_pass.op_names import (
@@ -139,6 +140,11 @@ def is_shape_check(bsym) -> bool:
 
 def is_return(bsym) -> bool:
     return bsym.sym is prims.python_return
+
+
+def is_float_tensor(proxy) -> bool:
+    """A tensor proxy of a floating-point dtype."""
+    return isinstance(proxy, TensorProxy) and dtypes.is_float_dtype(proxy.dtype)
 
 
 def is_unpack_trivial(bsym) -> bool:

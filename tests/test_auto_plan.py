@@ -376,8 +376,8 @@ def test_units_stay_one_per_block_unless_the_moves_shorten_the_step_by_two_perce
 
 def test_a_units_backward_peaks_at_one_of_its_ends_plus_its_working_set():
     """A unit's backward starts with its parameters gathered and its activations kept, and ends with its gradients
-    packed (twice their bytes) and the two freed; the gradients flowing through it (its working set, in its
-    largest forward result) are there throughout. Adding the start's parameters and activations to the end's
+    packed (twice their bytes) and the two freed; at its start the gradients of its largest results are being made
+    too (its working set, in its largest forward result). Adding the start's parameters and activations to the end's
     gradients, as the model once did, put the 7B dry run's peak 35 % above its traces."""
     names = ["u0", "u1"]
     kept = Candidate((0, 1), (False, False))

@@ -17,18 +17,13 @@ parameters in ``precision.param_dtype``:
 from __future__ import annotations
 
 import thunder.torch as ltorch
-from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.pytree import tree_flatten, tree_map
 from thunder.core.trace import TraceProvenance, from_trace, tracectx
 
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.plan.units import UnitPlan
-from fsdp_pass.predicates import is_return, is_unpack_trivial, is_unshard_unit
-
-
-def _is_float_tensor(x) -> bool:
-    return isinstance(x, TensorProxy) and dtypes.is_float_dtype(x.dtype)
+from fsdp_pass.predicates import is_float_tensor, is_return, is_unpack_trivial, is_unshard_unit
 
 
 class _Recast:
@@ -45,7 +40,7 @@ class _Recast:
         return out
 
     def cast(self, x, dtype):
-        return self.emit(ltorch.to, x, dtype) if _is_float_tensor(x) and x.dtype != dtype else x
+        return self.emit(ltorch.to, x, dtype) if is_float_tensor(x) and x.dtype != dtype else x
 
     def input(self, bsym, compute, param_args) -> None:
         """Step 1: an unpacked input, cast right after (parameter shards are left to their gathers)."""

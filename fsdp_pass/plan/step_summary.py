@@ -44,7 +44,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thunder.core import dtypes
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
@@ -52,7 +51,7 @@ from fsdp_pass.op_flops import estimated_flops, is_attention, is_matmul_like
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
-from fsdp_pass.predicates import is_bookkeeping, is_return, is_view_like
+from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like
 
 
 @dataclass(frozen=True)
@@ -139,13 +138,14 @@ def attention_scores_bytes(bsym) -> int:
     return scores * (2 * q.dtype.bytes + (1 if masked else 0))
 
 
-def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False):
-    """FLOPs, kept result bytes, op counts and elementwise bytes moved of the forward's ops, each charged to the
-    piece whose parameter the trace read last before it."""
+def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False,
+                  outputs: frozenset[str] = frozenset()):
+    """FLOPs, kept result bytes, op counts, elementwise bytes moved and largest results (``outputs``, the names the
+    forward returns, left out) of the forward's ops, each charged to the piece whose parameter the trace read last
+    before it."""
     flops, acts, ops, moved, largest = [0.0] * n, [0] * n, [0] * n, [0] * n, [0] * n
     if n == 0:  # a model without parameters: no piece to charge
         return flops, acts, ops, moved, largest
-    outputs = {t.name for t in _outputs(computation)}  # their gradients: StepSummary.output_bytes
     readers: dict[str, int] = {}  # results read by an op whose gradient needs them
     for bsym in computation.bound_symbols:
         if str(bsym.sym.name) not in _GRADIENT_NEEDS_NO_INPUT and not is_view_like(bsym):
@@ -166,9 +166,8 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
                 acts[current] += attention_scores_bytes(bsym)
             if not is_matmul_like(bsym):
                 moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
-            floats = [o for o in bsym.flat_proxy_outs
-                      if isinstance(o, TensorProxy) and dtypes.is_float_dtype(o.dtype) and o.name not in outputs]
-            largest[current] = max([largest[current], *(_tensor_bytes((o,)) for o in floats)])
+            kept_inside = [o for o in bsym.flat_proxy_outs if is_float_tensor(o) and o.name not in outputs]
+            largest[current] = max([largest[current], *(_tensor_bytes((o,)) for o in kept_inside)])
     return flops, acts, ops, moved, largest
 
 
@@ -188,7 +187,9 @@ def summarize(
     found = _pieces_of(inp)
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
-    flops, acts, ops, moved, largest = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention)
+    outputs = _outputs(computation)  # their gradients are the step's output_bytes, not a piece's working set
+    flops, acts, ops, moved, largest = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention,
+                                                     frozenset(t.name for t in outputs))
 
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).layout.numel * (dtype.itemsize if dtype else sharding.param(p).itemsize)
@@ -210,7 +211,7 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer_states, _output_bytes(computation), replicas)
+    return StepSummary(pieces, sharding.world_size, optimizer_states, _tensor_bytes(outputs), replicas)
 
 
 def _outputs(computation) -> list[TensorProxy]:
@@ -220,8 +221,4 @@ def _outputs(computation) -> list[TensorProxy]:
     if isinstance(value, dict) and "output" in value:
         value = value["output"]
     flat, _ = tree_flatten(value)
-    return [t for t in flat if isinstance(t, TensorProxy) and dtypes.is_float_dtype(t.dtype)]
-
-
-def _output_bytes(computation) -> int:
-    return _tensor_bytes(_outputs(computation))
+    return [t for t in flat if is_float_tensor(t)]
