@@ -21,7 +21,7 @@ memory, the collectives and the losses hold. Systems (``--only`` picks some, com
                   up to 1 MiB, so a model of tiny layers issues a few larger collectives, not one per layer
   ours auto       FSDP("auto"): units, resharding and prefetch planned from the device's default cost inputs
                   (h100-nvlink on CUDA), within the device's memory
-  ours auto probed  the same, planned from a probe of these ranks (fsdp_pass.probe, the matmul in --dtype)
+  ours auto probed  the same, planned from a probe of these ranks (fsdp_pass.plan.probe, the matmul in --dtype)
 
 The Thunder rows run the executor list ``executor_choice(device)`` picks (``--fusion auto``), or
 ``--fusion torchcompile``: Thunder's torch.compile executor also on CPU, which fuses CPU tensors as it does
@@ -60,12 +60,12 @@ from thunder.extend import get_executor
 from bench.kernel_overlap import cuda_kernels, kernel_overlap
 from bench.model import loss_fn, make_batch
 from bench.systems_gpu import SYSTEMS, build_system
-from fsdp_pass.groups import free_port
+from fsdp_pass.models.zoo import Config, LlamaLM, param_count
 from fsdp_pass.plan.cost_model import DEFAULTS
-from fsdp_pass.probe import probe
+from fsdp_pass.plan.probe import probe
 from fsdp_pass.report.measure import allocated_during
-from fsdp_pass.text import format_table, human_bytes
-from fsdp_pass.zoo import Config, LlamaLM, param_count
+from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.shard.groups import free_port
 
 
 def parse_args(argv=None):

@@ -1,4 +1,4 @@
-"""The benchmark's model and data: :mod:`fsdp_pass.zoo`'s Llama-style LM, seeded, on CPU in float32.
+"""The benchmark's model and data: :mod:`fsdp_pass.models.zoo`'s Llama-style LM, seeded, on CPU in float32.
 
 The model has plain parameters only (no buffers), so every system shards exactly the same set of
 tensors, and only plain torch ops, so ``thunder.jit(model)`` traces it as is.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_pass.zoo import Config, LlamaLM, param_count
-from fsdp_pass.zoo import lm_loss as loss_fn
+from fsdp_pass.models.zoo import Config, LlamaLM, param_count
+from fsdp_pass.models.zoo import lm_loss as loss_fn
 
 __all__ = ["Config", "LlamaLM", "build_model", "loss_fn", "make_batch", "param_count"]
 

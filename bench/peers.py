@@ -255,7 +255,7 @@ def ours_builder(
         schedule = None if prefetch is None else Schedule(prefetch=prefetch)
         opts = dict(options or {})
         if opts.get("cost") == "probe":  # collective: the same fitted numbers on every rank, so the same plan
-            from fsdp_pass.probe import probe
+            from fsdp_pass.plan.probe import probe
 
             opts["cost"] = probe()
         transform = FSDP(strategy, units=policy, schedule=schedule, **opts)

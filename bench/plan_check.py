@@ -3,7 +3,7 @@ the README's "predicted vs measured" table (``bench.run`` measures the other hal
 
     .venv/bin/python -m bench.plan_check [--world 2] [--budget 22MiB] [--cost cpu-gloo|h100-nvlink|probe]
 
-``--cost probe`` measures the cost inputs first on ``--world`` gloo ranks spawned here (``fsdp_pass.probe``),
+``--cost probe`` measures the cost inputs first on ``--world`` gloo ranks spawned here (``fsdp_pass.plan.probe``),
 as ``bench.run``'s ``ours auto probed`` row does.
 
 In one process, dry runs (fake process group, meta device) of the benchmark model at ``--world`` ranks:
@@ -25,13 +25,13 @@ import warnings
 
 from bench.peers import OURS_CONFIGS
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.model_spec import build_model
+from fsdp_pass.models.spec import build_model
 from fsdp_pass.plan.cost_model import DEFAULTS
+from fsdp_pass.plan.probe import probe_local_ranks
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
-from fsdp_pass.probe import probe_local_ranks
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.text import format_table
+from fsdp_pass.report.text import format_table
 
 ROWS = ("ours zero2 per-param", "ours zero2 blocks", "ours zero3 blocks", "ours zero3 by-size 1.7MB",
         "ours zero2 by-size 1.7MB", "ours zero2 by-size whole", "ours auto")

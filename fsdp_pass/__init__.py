@@ -2,7 +2,6 @@
 
 from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.groups import fake_process_group
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
@@ -10,6 +9,7 @@ from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.report.explain import Explanation
+from fsdp_pass.shard.groups import fake_process_group
 from fsdp_pass.train.distributed_checkpoint import Resumed, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
 from fsdp_pass.train.state_dicts import (

@@ -9,7 +9,7 @@
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
 peak memory per rank, and writes the forward and backward traces to ``--out``. ``--model`` takes what
-:mod:`fsdp_pass.model_spec` builds: a built-in config, a Hugging Face config, or a factory of your own.
+:mod:`fsdp_pass.models.spec` builds: a built-in config, a Hugging Face config, or a factory of your own.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ from dataclasses import replace
 
 import torch
 
-from fsdp_pass import probe, zoo
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.model_spec import FACTORY_FORMS, build_model
+from fsdp_pass.models import zoo
+from fsdp_pass.models.spec import FACTORY_FORMS, build_model
+from fsdp_pass.plan import probe
 from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.explain import OPTIMIZER_STATES
-from fsdp_pass.text import human_count
+from fsdp_pass.report.text import human_count
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -63,7 +63,7 @@ def predict_step(target, *, cost=None) -> Prediction:
     be set beside the auto plan or a measured step (:mod:`fsdp_pass.plan.price_plan`).
 
     ``cost``: a ``fsdp_pass.plan.cost_model.DEFAULTS`` name (``"h100-nvlink"``, ``"cpu-gloo"``), ``CostInputs``,
-    or ``fsdp_pass.probe.probe()``'s result; None: what ``FSDP("auto")`` planned with, else the defaults of the
+    or ``fsdp_pass.plan.probe.probe()``'s result; None: what ``FSDP("auto")`` planned with, else the defaults of the
     device the step computes on. The optimizer is taken to be AdamW. A plan the model cannot describe
     (per-parameter units, checkpointed units) is an FSDPError saying why.
     """

@@ -31,12 +31,12 @@ import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass.api import no_sync
-from fsdp_pass.demo import TinyLM, counting_batch
 from fsdp_pass.errors import check
+from fsdp_pass.models.tiny_lm import TinyLM, counting_batch
+from fsdp_pass.models.zoo import WithLoss
 from fsdp_pass.train.distributed_checkpoint import load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import clip_grad_norm_
 from fsdp_pass.transform import FSDP
-from fsdp_pass.zoo import WithLoss
 
 VOCAB, SEQ = 64, 32
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdp_pass.compiled_step import PHASES, CompiledStep
-from fsdp_pass.groups import has_peers
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
@@ -50,6 +49,7 @@ from fsdp_pass.plan.plan_units import plan_units
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.shard.groups import has_peers
 from fsdp_pass.shard.module import ShardedModel
 from fsdp_pass.shard.prologue import shard_prologue
 from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes

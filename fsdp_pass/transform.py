@@ -60,7 +60,7 @@ class FSDP(Transform):
         memory_budget: with ``"auto"``: bytes per rank the step may peak at (``"20GiB"``, ``"512MiB"``, or an
             int); default: the CUDA device's memory, no bound on the CPU.
         cost: with ``"auto"``: what collectives and compute cost (:mod:`fsdp_pass.plan.cost_model`): a name in
-            ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.probe.probe(...)``'s
+            ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.plan.probe.probe(...)``'s
             result measured on your ranks; default: the defaults of the device the step computes on.
         process_group: the group to shard over; the default group if None.
         mesh: instead of ``process_group``, a torch ``DeviceMesh``: 1-D, the group to shard over; 2-D

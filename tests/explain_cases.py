@@ -6,7 +6,8 @@ import thunder
 import torch
 import torch.distributed as dist
 
-from fsdp_pass import FSDP, explain, zoo
+from fsdp_pass import FSDP, explain
+from fsdp_pass.models import zoo
 from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass_executors import executors_for
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_pass.zoo import RMSNorm
+from fsdp_pass.models.zoo import RMSNorm
 
 
 class MLP(nn.Module):

@@ -16,7 +16,7 @@ from fsdp_pass.plan.price_plan import candidate_of, price_plan
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.step_model import Candidate, UnitCost, peak_of, predict, unit_costs
 from fsdp_pass.plan.step_summary import Piece, StepSummary
-from fsdp_pass.text import human_bytes
+from fsdp_pass.report.text import human_bytes
 from tests import auto_cases, explain_cases
 from tests.dry_runs import model_dry_run
 

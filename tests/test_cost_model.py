@@ -9,7 +9,7 @@ import pytest
 from fsdp_pass import FSDPError
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost, fit_link, sent_bytes
-from fsdp_pass.probe import probe
+from fsdp_pass.plan.probe import probe
 
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
@@ -75,7 +75,7 @@ def probe_small():
 
 
 def test_probe_measures_again_when_noise_hides_the_bandwidth():
-    from fsdp_pass.probe import fitted
+    from fsdp_pass.plan.probe import fitted
 
     noisy = [(1 << 10, 3e-3), (1 << 20, 1e-3)]  # the small gather slower than the large: nothing to fit
     clean = [(1 << 10, 1e-4), (1 << 20, 1e-3)]

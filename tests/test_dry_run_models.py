@@ -14,8 +14,8 @@ import torch
 
 from fsdp_pass import FSDPError
 from fsdp_pass.__main__ import main
-from fsdp_pass.model_spec import build_model
-from fsdp_pass.text import human_count
+from fsdp_pass.models.spec import build_model
+from fsdp_pass.report.text import human_count
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny_llama"
 

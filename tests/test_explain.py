@@ -9,12 +9,13 @@ import pytest
 import thunder
 import torch
 
-from fsdp_pass import FSDP, FSDPError, explain, fake_process_group, zoo
+from fsdp_pass import FSDP, FSDPError, explain, fake_process_group
 from fsdp_pass.__main__ import main
+from fsdp_pass.models import zoo
 from fsdp_pass.predicates import is_all_gather
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.memory import GATHERED, KINDS, live_by_kind_over_step, live_over_step, step_memory
-from fsdp_pass.text import human_bytes, human_count
+from fsdp_pass.report.text import human_bytes, human_count
 from tests import explain_cases
 from tests.dry_runs import model_dry_run
 

@@ -22,7 +22,7 @@ from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.predicates import collective_kind, is_collective, is_return, is_unit_op, is_wait, unit_of_op
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.overlap import overlap_report
-from fsdp_pass.text import collective_label
+from fsdp_pass.report.text import collective_label
 from fsdp_pass_executors import comm_ex
 from tests import explain_cases, rank_cases
 

@@ -33,7 +33,7 @@ from fsdp_pass.predicates import (
     is_wait,
     unit_of_op,
 )
-from fsdp_pass.text import collective_label
+from fsdp_pass.report.text import collective_label
 
 
 def _label(plan: UnitPlan, unit, kind: CollectiveKind, bsym, hsdp: bool) -> str:

@@ -9,7 +9,7 @@
 - :mod:`~fsdp_pass.plan.schedule`, :mod:`~fsdp_pass.plan.mixed_precision`: the user's settings for when
   collectives run and in which dtypes;
 - :mod:`~fsdp_pass.plan.cost_model`: what a collective costs (latency and bandwidth, fitted to what
-  :mod:`fsdp_pass.probe` measures) and the device's compute rate;
+  :mod:`fsdp_pass.plan.probe` measures) and the device's compute rate;
 - ``FSDP("auto")``: :mod:`~fsdp_pass.plan.step_summary` (the trace cut into pieces: bytes, FLOPs,
   activations), :mod:`~fsdp_pass.plan.step_model` (a candidate plan's predicted step time and peak),
   :mod:`~fsdp_pass.plan.auto_plan` (the search, and a reason per decision), :mod:`~fsdp_pass.plan.auto_options`

@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.groups import has_peers
 from fsdp_pass.plan.auto_plan import AutoPlan, plan_step
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.options import AutoSettings, FSDPOptions
 from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.step_summary import StepSummary, summarize
-from fsdp_pass.text import human_bytes
+from fsdp_pass.report.text import human_bytes
+from fsdp_pass.shard.groups import has_peers
 
 
 class PlannedUnits:

@@ -46,7 +46,7 @@ from fsdp_pass.plan.step_model import (
     unit_costs,
 )
 from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.text import format_table, human_bytes
+from fsdp_pass.report.text import format_table, human_bytes
 
 PREFETCH_DEPTHS = (0, 1, 2)
 _BETTER = 1e-3  # a move must shorten the predicted step by this fraction to be taken

@@ -87,10 +87,10 @@ def resolve_cost(cost) -> CostInputs | None:
         return cost
     if isinstance(cost, str):
         check(cost in DEFAULTS, f"Unknown cost inputs {cost!r}.",
-              f"Pass one of {sorted(DEFAULTS)}, or fsdp_pass.probe.probe(...).cost measured on your ranks.")
+              f"Pass one of {sorted(DEFAULTS)}, or fsdp_pass.plan.probe.probe(...).cost measured on your ranks.")
         return DEFAULTS[cost]
     check(isinstance(getattr(cost, "cost", None), CostInputs), f"Cannot read {cost!r} as cost inputs.",
-          f"Pass one of {sorted(DEFAULTS)}, a CostInputs, or what fsdp_pass.probe.probe(...) returns.")
+          f"Pass one of {sorted(DEFAULTS)}, a CostInputs, or what fsdp_pass.plan.probe.probe(...) returns.")
     return cost.cost
 
 

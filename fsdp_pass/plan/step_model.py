@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.text import human_bytes
+from fsdp_pass.report.text import human_bytes
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # the default Schedule's bound
 # ops the torch executor runs per op of the functional trace (views, re-layouts and decompositions added): the

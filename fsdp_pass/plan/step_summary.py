@@ -12,7 +12,7 @@ Read off the functional forward trace, before any rewriting:
    precision's ``param_dtype``, else their own); ``grad_bytes`` the same in the dtype they are reduced in.
 2. ``shard_bytes``: what this rank keeps of them between steps (padding included).
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
-   :func:`~fsdp_pass.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, others one
+   :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, others one
    per output element).
 4. ``activation_bytes``: those ops' results that a later op needs for its own gradient (a matmul's input,
    a product's factor, a normalization's or an activation function's input), views and results read only
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from fsdp_pass.op_flops import estimated_flops, is_attention, is_matmul_like
 from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.plan.op_flops import estimated_flops, is_attention, is_matmul_like
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like

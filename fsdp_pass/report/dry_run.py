@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass.errors import check
-from fsdp_pass.groups import fake_process_group
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.meta_autocast import autocast_on_meta_as
+from fsdp_pass.shard.groups import fake_process_group
 from fsdp_pass.transform import FSDP
 
 
@@ -61,7 +61,7 @@ def _check_on_meta(module: torch.nn.Module) -> None:
     check(
         all(t.is_meta for t in tensors),
         "A dry run traces a model on the meta device, and this one has tensors with storage.",
-        "Build it under `with torch.device('meta'):` (nothing is allocated), or use fsdp_pass.zoo.build(spec).",
+        "Build it under `with torch.device('meta'):` (nothing is allocated), or use fsdp_pass.models.zoo.build(spec).",
     )
 
 

@@ -2,7 +2,7 @@
 gradient shards and its optimizer state. The mental-model notebook reads them.
 
 :func:`rank_view` runs on every rank of the default group (``run_on_local_ranks(rank_view, 2, config)``
-spawns two gloo ranks): each builds the same :class:`~fsdp_pass.zoo.ResidualMLP` from the same seed, jits it
+spawns two gloo ranks): each builds the same :class:`~fsdp_pass.models.zoo.ResidualMLP` from the same seed, jits it
 with ``FSDP``, takes its own rows of one global batch, and trains one step of SGD with momentum (one state
 per element, so the step is exact to compare; Adam's would be two). :func:`full_parameters`
 puts the ranks' shards back together (dim 0, padding rows dropped), and :func:`reference_step` trains one
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
+from fsdp_pass.models.zoo import ResidualMLP, regression_batch
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.transform import FSDP
-from fsdp_pass.zoo import ResidualMLP, regression_batch
 
 LR, MOMENTUM = 0.1, 0.9
 

@@ -6,7 +6,7 @@
 
 1. :func:`record_timelines` spawns ``world_size`` CPU processes joined by a gloo group; each runs
    :func:`step_timelines` (which also runs on any rank whose default group is initialized). For each
-   schedule, the main job's small Llama-style model (:class:`fsdp_pass.demo.TinyLM`) is jitted with
+   schedule, the main job's small Llama-style model (:class:`fsdp_pass.models.tiny_lm.TinyLM`) is jitted with
    ``FSDP(strategy, schedule=...)`` and trained a few warm-up steps; then a few forward + backward steps
    are recorded with ``WAIT_CLOCK.reset(record=True)`` and the fastest is kept (the least disturbed):
    every collective's issue, completion, wait start and wait end, as seconds since the step started.
@@ -35,15 +35,15 @@ import torch.distributed as dist
 from fsdp_pass_executors import WAIT_CLOCK, executors_for
 
 from fsdp_pass.compiled_step import PHASES, CompiledStep
-from fsdp_pass.demo import TinyLM, counting_batch
-from fsdp_pass.groups import run_on_local_ranks
+from fsdp_pass.models.tiny_lm import TinyLM, counting_batch
+from fsdp_pass.models.zoo import lm_loss
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER, CollectiveKind
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.predicates import collective_kind, collectives
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
-from fsdp_pass.text import format_table
+from fsdp_pass.report.text import format_table
+from fsdp_pass.shard.groups import run_on_local_ranks
 from fsdp_pass.transform import FSDP
-from fsdp_pass.zoo import lm_loss
 
 KIND_COLORS = {ALL_GATHER: "tab:blue", REDUCE_SCATTER: "tab:orange"}
 _SEQ, _VOCAB = 32, 64  # TinyLM's defaults: block size and vocabulary

@@ -2,7 +2,7 @@
 
 :func:`time_plans` runs on every rank of the default group (``run_on_local_ranks(time_plans, 2, config, plans)``
 spawns two gloo ranks). For each plan (the keyword arguments of one ``FSDP(...)``, e.g.
-``{"units": "per_parameter"}``, or None for no FSDP at all) it jits the same :class:`~fsdp_pass.zoo.ResidualMLP`,
+``{"units": "per_parameter"}``, or None for no FSDP at all) it jits the same :class:`~fsdp_pass.models.zoo.ResidualMLP`,
 each rank on its own rows of one batch, and trains one warm-up step. Then ``steps`` rounds time one step
 (forward, backward, ``opt.step()``, every rank starting together) of each plan in turn. A step's time is the
 slowest rank's (an all-reduce of the times, MAX); each plan keeps its fastest step, since on a shared host the
@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
-from fsdp_pass.groups import reduced_across_ranks
+from fsdp_pass.models.zoo import ResidualMLP, regression_batch
 from fsdp_pass.plan.cost_model import LinkCost
 from fsdp_pass.report.step_stats import StepStats, step_stats
+from fsdp_pass.shard.groups import reduced_across_ranks
 from fsdp_pass.transform import FSDP
-from fsdp_pass.zoo import ResidualMLP, regression_batch
 
 
 @dataclass(frozen=True)

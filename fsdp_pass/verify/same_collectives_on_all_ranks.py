@@ -11,7 +11,7 @@ the input (a layer used only for long sequences) can break that, at any step.
    trace's sequence under the compile's key, and :func:`insert_step_check` starts the forward trace with
    ``check_same_collectives(key)``, before any collective (``# [fsdp] check: ...`` above it).
 2. At every step that op reduces the variant's sequences to a 62-bit digest, and the ranks compare digests
-   with one all-reduce of two integers on a host-side gloo channel (:func:`fsdp_pass.groups.cpu_channel`):
+   with one all-reduce of two integers on a host-side gloo channel (:func:`fsdp_pass.shard.groups.cpu_channel`):
    nothing waits for the GPU.
 3. If the digests differ, the ranks exchange the sequences and every rank raises the same FSDPError, naming
    the first collective that differs. No collective of the step has been issued yet: nothing hangs.
@@ -28,9 +28,9 @@ from thunder.core import prims
 from thunder.core.trace import TraceProvenance, from_trace
 
 from fsdp_pass.errors import fail
-from fsdp_pass.groups import cpu_channel
 from fsdp_pass.op_names import CHECK_SAME_COLLECTIVES
 from fsdp_pass.predicates import collective_kind, is_input_unpacking
+from fsdp_pass.shard.groups import cpu_channel
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
 ``build_model(spec, device="meta", *, layers=None, seq=None, batch=None) -> ExampleModel``; ``spec`` is
 
-- a built-in config of :data:`fsdp_pass.zoo.CONFIGS` (``tiny``, ``bench``, ``llama2-7b``, ...): the zoo's
+- a built-in config of :data:`fsdp_pass.models.zoo.CONFIGS` (``tiny``, ``bench``, ``llama2-7b``, ...): the zoo's
   Llama-style model with its loss inside; ``layers``, ``seq``, ``batch`` override the config;
 - ``hf:<config.json or folder>``: a Hugging Face causal LM built from its config alone
-  (:mod:`fsdp_pass.hf_config`); ``layers``, ``seq``, ``batch`` apply too;
+  (:mod:`fsdp_pass.models.hf_config`); ``layers``, ``seq``, ``batch`` apply too;
 - ``package.module:factory``: a function of no arguments, called under ``torch.device(device)``, returning
   the module and its inputs in one of three forms: ``(module, args)``, ``(module, kwargs)`` with ``kwargs``
   a dict of keyword inputs, or ``(module, args, kwargs)``. It builds its own inputs, so ``layers``,
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fsdp_pass import zoo
 from fsdp_pass.errors import check, fail
-from fsdp_pass.hf_config import hf_causal_lm
+from fsdp_pass.models import zoo
+from fsdp_pass.models.hf_config import hf_causal_lm
 
 HF_PREFIX = "hf:"
 FACTORY_FORMS = "(module, args), (module, kwargs) or (module, args, kwargs)"

@@ -3,7 +3,7 @@
 ``build(name, device="meta") -> (module, example_args)``: ``name`` names a config in :data:`CONFIGS`
 (``llama2-7b`` is Llama-2-7B's shape: 6.74 B parameters). Built on the meta device nothing is
 allocated, so a 7B model fits a laptop; the dry run traces it as it is. (The dry-run CLI also takes
-Hugging Face configs and factories of your own: :mod:`fsdp_pass.model_spec`.)
+Hugging Face configs and factories of your own: :mod:`fsdp_pass.models.spec`.)
 
 The model: token embedding -> N decoder layers (RMSNorm, causal attention with q/k/v/o projections,
 RMSNorm, SwiGLU MLP) -> final RMSNorm -> lm_head (not tied). No biases, no positional encoding (it
@@ -166,7 +166,7 @@ def build(name: str, device: str | torch.device = "meta", **overrides):
     check(
         name in CONFIGS,
         lambda: f"Unknown model {name!r}.",
-        f"Name one of {sorted(CONFIGS)} (fsdp_pass.model_spec also builds Hugging Face configs and factories).",
+        f"Name one of {sorted(CONFIGS)} (fsdp_pass.models.spec also builds Hugging Face configs and factories).",
     )
     cfg = replace(CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None})
     with torch.device(device):
