@@ -1,5 +1,34 @@
 """fsdp_pass: Fully Sharded Data Parallel (ZeRO-2 / ZeRO-3) as a trace pass for Lightning Thunder."""
 
+from importlib import metadata as _metadata
+from pathlib import Path as _Path
+
+_DISTRIBUTION = "fsdp-pass"
+
+
+def _version() -> str:
+    """This package's version:
+
+    1. what the installed distribution's metadata says (a wheel, or an editable install of this tree);
+    2. else, in a source tree that was never installed, ``pyproject.toml``'s version next to the package, with
+       ``+source`` appended;
+    3. else ``0+unknown``.
+    """
+    try:
+        return _metadata.version(_DISTRIBUTION)
+    except _metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        pyproject = _Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
+    except (ImportError, OSError, KeyError, ValueError):
+        return "0+unknown"
+
+
+__version__ = _version()
+
 from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.plan.layout import ShardLayout
