@@ -17,8 +17,8 @@ def test_no_process_group():
         thunder.jit(models.MLP(), transforms=[FSDP()])
 
 
-def test_unknown_strategy():
-    with pytest.raises(FSDPError, match="zero2"):
+def test_unknown_strategy_lists_every_name_fsdp_takes():
+    with pytest.raises(FSDPError, match=r"Pass one of \['zero2', 'zero3', 'auto'\]"):
         FSDP("zero4")
 
 

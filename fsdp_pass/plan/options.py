@@ -140,7 +140,7 @@ class FSDPOptions:
                   "memory_budget= and cost= are read by the auto planner only.",
                   "Pass FSDP('auto', memory_budget='20GiB'), or leave them out.")
         return cls(
-            parse_strategy(strategy),
+            parse_strategy(strategy, also=("auto",)),
             resolve_policy(units),
             reshard_after_forward,
             resolve_schedule(schedule),

@@ -23,7 +23,9 @@ class Strategy(Enum):
     ZERO3 = "zero3"
 
 
-def parse_strategy(strategy: "Strategy | str") -> Strategy:
+def parse_strategy(strategy: "Strategy | str", also: tuple[str, ...] = ()) -> Strategy:
+    """The :class:`Strategy` a name or member names; else an FSDPError listing the names, with ``also`` (names
+    the caller accepted before asking, e.g. ``FSDP``'s ``"auto"``)."""
     if isinstance(strategy, Strategy):
         return strategy
     if isinstance(strategy, str):
@@ -32,7 +34,7 @@ def parse_strategy(strategy: "Strategy | str") -> Strategy:
                 return s
     fail(
         f"Unknown FSDP strategy {strategy!r}.",
-        f"Pass one of {[s.value for s in Strategy]} (or fsdp_pass.Strategy.ZERO2 / Strategy.ZERO3).",
+        f"Pass one of {[s.value for s in Strategy] + list(also)} (or fsdp_pass.Strategy.ZERO2 / Strategy.ZERO3).",
     )
 
 
