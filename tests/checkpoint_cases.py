@@ -9,6 +9,8 @@ parameters), as real loops do.
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 
 import thunder
 import torch
@@ -19,7 +21,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import fsdp_pass
 from fsdp_pass import FSDP, FSDPError
-from fsdp_pass.train.distributed_checkpoint import complete_checkpoints
+from fsdp_pass.train.checkpoint_manifest import MANIFEST_FILE, file_digests, write_manifest
+from fsdp_pass.train.distributed_checkpoint import complete_checkpoints, step_folder
+from fsdp_pass.train.loop_state import LOOP_FILE
 from tests import models
 from tests.rank_cases import _local
 
@@ -27,9 +31,14 @@ GLOBAL_BATCH = 4
 FULL = StateDictOptions(full_state_dict=True)
 
 
+def _jit_module(model, strategy: str, **fsdp_kwargs):
+    """Sharded at jit time; compiled at its first call only (loading or saving a checkpoint needs no compile)."""
+    return thunder.jit(model, transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu"))
+
+
 def _jit(model_name: str, strategy: str, **fsdp_kwargs):
     model = models.build(model_name, seed=dist.get_world_size())  # other weights than the saved ones
-    return thunder.jit(copy.deepcopy(model), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu"))
+    return _jit_module(copy.deepcopy(model), strategy, **fsdp_kwargs)
 
 
 def make_optimizer(jm, kind: str):
@@ -197,14 +206,13 @@ def interrupted_save_and_misuse(
     train(jm, opt, model_name, range(k))
     fsdp_pass.save_checkpoint(directory, jm, opt, step=k)
     at_save = _full_params(jm)
-    train(jm, opt, model_name, range(k, k + 1))
+    out = {"losses_after_save": train(jm, opt, model_name, range(k, k + 1))}
 
     real_write = FileSystemWriter.write_data
 
     def failing_write(self, plan, planner):
         raise OSError("disk full (simulated, on rank 1)")
 
-    out = {}
     if rank == 1:
         FileSystemWriter.write_data = failing_write
     try:
@@ -259,6 +267,97 @@ def interrupted_save_and_misuse(
             out["errors"][label] = str(e)
     out["first_key"], out["first_shape"] = first, tuple(full_sd[first].shape)
     out["nothing_loaded"] = _same(before, _full_params(jm))
+    out["damaged"] = damaged_and_foreign_checkpoints(jm, model_name, optimizer, directory, k, at_save)
+    return out
+
+
+class RunsCode:
+    """Unpickled, it creates the file ``marker``: what a ``loop.pt`` from an untrusted source could do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
+def _on_rank0_then_wait(action) -> None:
+    if dist.get_rank() == 0:
+        action()
+    dist.barrier()
+
+
+def _error_of(attempt) -> str | None:
+    try:
+        attempt()
+        return None
+    except FSDPError as e:
+        return str(e)
+
+
+def _plant_code_in_loop_file(folder: Path, marker: Path) -> None:
+    """Rank 0 writes a loop.pt whose unpickling would run code; the manifest is rewritten to match, as a crafted
+    folder's would be, so only the way loop.pt is read stands between it and every rank."""
+    planted = {"step": 2, "extra": RunsCode(str(marker)), "world_size": 2}
+    _on_rank0_then_wait(lambda: torch.save(planted, folder / LOOP_FILE))
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+    digests = file_digests(folder, names, dist.group.WORLD)
+    _on_rank0_then_wait(lambda: write_manifest(folder, digests))
+
+
+def damaged_and_foreign_checkpoints(jm, model_name: str, optimizer: str, directory: str, k: int, at_save: dict):
+    """On from interrupted_save_and_misuse (``jm`` holds step ``k``'s checkpoint, saved in ``directory``): the newest
+    of two checkpoints damaged, a checkpoint whose loop.pt would run code, checkpoints of another width and of
+    another optimizer, an ``extra`` that could not be loaded back. Each is an FSDPError on every rank and loads
+    nothing; ``step=k`` loads the older checkpoint, and training on gives the losses of the run that saved it."""
+    out, directory = {}, Path(directory)
+    opt = make_optimizer(jm, optimizer)
+    train(jm, opt, model_name, range(k, k + 1))
+    newest = fsdp_pass.save_checkpoint(directory, jm, opt, step=k + 1)
+    train(jm, opt, model_name, range(k + 1, k + 2))  # the parameters now differ from both checkpoints'
+    damaged = sorted(newest.glob("*.distcp"))[-1]
+    _on_rank0_then_wait(lambda: os.truncate(damaged, damaged.stat().st_size // 2))
+    out["damaged_file"], out["newest"], out["older"] = damaged.name, str(newest), str(step_folder(directory, k))
+    before = _full_params(jm)
+    out["damaged_error"] = _error_of(lambda: fsdp_pass.load_checkpoint(directory, jm, make_optimizer(jm, optimizer)))
+    out["no_such_step_error"] = _error_of(lambda: fsdp_pass.load_checkpoint(directory, jm, opt, step=k + 5))
+    out["damaged_loaded_nothing"] = _same(before, _full_params(jm))
+
+    fresh = make_optimizer(jm, optimizer)
+    resumed = fsdp_pass.load_checkpoint(directory, jm, fresh, step=k)
+    out["older_resumed"] = (resumed.step, resumed.path.name)
+    out["older_exact"] = _same(at_save, _full_params(jm))
+    out["older_losses"] = train(jm, fresh, model_name, range(k, k + 1))
+
+    refused_extra = {"schedule": {"lr_lambda": lambda step: 1.0}}
+    out["extra_error"] = _error_of(
+        lambda: fsdp_pass.save_checkpoint(directory, jm, fresh, step=k + 7, extra=refused_extra)
+    )
+    out["steps_after_refused_extra"] = [step for step, _ in complete_checkpoints(directory)]
+
+    marker = directory / "code-ran"
+    _plant_code_in_loop_file(step_folder(directory, k), marker)
+    before = _full_params(jm)
+    out["code_error"] = _error_of(
+        lambda: fsdp_pass.load_checkpoint(directory, jm, make_optimizer(jm, optimizer), step=k)
+    )
+    out["code_ran"], out["code_loaded_nothing"] = marker.exists(), _same(before, _full_params(jm))
+    dist.barrier()
+    if dist.get_rank() == 0:  # the plant is real: unpickled as torch.load(weights_only=False) would, it runs
+        torch.load(step_folder(directory, k) / LOOP_FILE, weights_only=False)
+        out["plant_runs_code_when_unpickled"] = marker.exists()
+
+    # another width and another optimizer: models sharded and never run, so nothing compiles
+    wide, narrow = _jit_module(models.MLP(hidden=48), "zero3"), _jit_module(models.MLP(hidden=32), "zero3")
+    fsdp_pass.save_checkpoint(directory / "wide", wide, make_optimizer(wide, "adamw"), step=1)
+    narrow_opt, sgd = make_optimizer(narrow, "adamw"), make_optimizer(wide, "sgd")
+    before = [_full_params(narrow), _full_params(wide), _full_params(jm)]
+    out["width_error"] = _error_of(lambda: fsdp_pass.load_checkpoint(directory / "wide", narrow, narrow_opt))
+    out["optimizer_error"] = _error_of(lambda: fsdp_pass.load_checkpoint(directory / "wide", wide, sgd))
+    out["keys_error"] = _error_of(lambda: fsdp_pass.load_checkpoint(directory / "wide", jm, fresh))
+    after = [_full_params(narrow), _full_params(wide), _full_params(jm)]
+    out["foreign_loaded_nothing"] = all(_same(a, b) for a, b in zip(before, after))
+    out["fresh_optimizers_left_fresh"] = not narrow_opt.state and not sgd.state
     return out
 
 

@@ -3,10 +3,15 @@ resumed exactly at the same world size (bitwise) and at another (2 -> 1, 2 -> 4:
 order), the full and flat forms, an interrupted save, and the errors of state dicts that do not fit.
 One compile per case and world size."""
 
+import collections
+import io
+import pickle
+
 import pytest
 import torch
 
 from fsdp_pass import MixedPrecision
+from fsdp_pass.train.loop_state import refused_part
 from tests import checkpoint_cases
 
 TOL = 1e-6  # another world size sums the same gradients in another order
@@ -116,9 +121,15 @@ def test_full_form_through_rank0_and_flat_optimizer_form(ranks):
         assert "lm_head.weight" in r["untied_values_error"] and "tied" in r["untied_values_error"], r
 
 
-def test_interrupted_save_keeps_the_last_checkpoint_and_misfits_fail_loudly(ranks, tmp_path):
-    results = ranks(2).run(checkpoint_cases.interrupted_save_and_misuse, "odd_shapes", "zero3", "sgd", str(tmp_path))
-    for r in results:
+@pytest.fixture(scope="module")
+def misuse_results(ranks, tmp_path_factory):
+    """One compile at world 2 for the failed save, the misfit state dicts and the damaged and foreign checkpoints."""
+    directory = str(tmp_path_factory.mktemp("misuse"))
+    return ranks(2).run(checkpoint_cases.interrupted_save_and_misuse, "odd_shapes", "zero3", "sgd", directory)
+
+
+def test_interrupted_save_keeps_the_last_checkpoint_and_misfits_fail_loudly(misuse_results):
+    for r in misuse_results:
         # every rank learns the save failed, which rank failed and why, and which checkpoint is still good
         assert r["failed_save"].startswith("FSDPError") and "rank 1: OSError" in r["failed_save"], r
         assert "step-00000002, is untouched" in r["failed_save"], r
@@ -149,3 +160,103 @@ def test_the_readme_loop_resumes_at_another_world_size(ranks, tmp_path):
     resumed = ranks(1).run(checkpoint_cases.run_loop, argv)[0]
     assert sorted(uninterrupted) == list(range(6)) and sorted(resumed) == [4, 5]
     assert all(abs(resumed[s] - uninterrupted[s]) <= TOL * uninterrupted[s] for s in resumed), (resumed, uninterrupted)
+
+
+def test_a_damaged_newest_checkpoint_names_the_file_and_the_newest_that_verifies(misuse_results):
+    """The newest of two checkpoints with one .distcp file cut in half: the same FSDPError on both ranks, naming
+    the folder, the file and the older folder, nothing loaded; step= loads the older one and training goes on with
+    the losses of the run that saved it (bitwise: the same world size)."""
+    damaged = [r["damaged"] for r in misuse_results]
+    assert damaged[0]["damaged_error"] == damaged[1]["damaged_error"]
+    for d in damaged:
+        error = d["damaged_error"]
+        assert f"{d['newest']} is damaged" in error and d["damaged_file"] in error, error
+        assert "cut short" in error and f"newest checkpoint that verifies is {d['older']}" in error, error
+        assert "step=2" in error and "What to do" in error, error
+        assert d["damaged_loaded_nothing"], d
+        assert "holds steps [2, 3]" in d["no_such_step_error"], d["no_such_step_error"]
+        assert d["older_resumed"] == (2, "step-00000002") and d["older_exact"], d
+    for r in misuse_results:
+        assert r["damaged"]["older_losses"] == r["losses_after_save"], r
+
+
+def test_loading_runs_no_code_from_the_checkpoint_and_extra_must_load_without_it(misuse_results):
+    """loop.pt replaced by a pickle that creates a file when unpickled (its manifest entry rewritten to match):
+    an FSDPError on every rank, the file not created, nothing loaded. An extra that holds a function is refused
+    at save, naming where it is, and nothing is published."""
+    for r in misuse_results:
+        d = r["damaged"]
+        assert "weights_only=True" in d["code_error"] and "loop.pt" in d["code_error"], d["code_error"]
+        assert not d["code_ran"] and d["code_loaded_nothing"], d
+        assert "extra['schedule']['lr_lambda'] is a function" in d["extra_error"], d["extra_error"]
+        assert d["steps_after_refused_extra"] == [2, 3], d
+    assert misuse_results[0]["damaged"]["plant_runs_code_when_unpickled"]  # the test's plant is a real one
+
+
+def test_a_checkpoint_of_another_width_or_optimizer_names_the_first_key_and_both_shapes(misuse_results):
+    """An MLP of hidden width 48 saved, one of width 32 loaded: the first key and both shapes; the same model with
+    SGD instead of AdamW: the state SGD lacks; another model: its keys. Nothing loaded, fresh optimizers stay fresh."""
+    for r in misuse_results:
+        d = r["damaged"]
+        width, kind, keys = d["width_error"], d["optimizer_error"], d["keys_error"]
+        assert "wide/step-00000001 does not fit" in width, width
+        assert "model.fc1.weight has shape (48, 16) in the checkpoint and (32, 16) here" in width, width
+        assert "momentum_buffer" in kind and "not in the checkpoint" in kind, kind
+        assert "model.gain (3,), which it is loaded into, is not in the checkpoint" in keys, keys
+        assert all(len(e.splitlines()) <= 3 for e in (width, kind, keys)), (width, kind, keys)
+        assert d["foreign_loaded_nothing"] and d["fresh_optimizers_left_fresh"], d
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass (DTensor is one): weights_only loads it only when allowlisted."""
+
+
+def _schedulers_state() -> dict:
+    opt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    return {
+        "lambda": warmup.state_dict(),
+        "sequential": torch.optim.lr_scheduler.SequentialLR(opt, [warmup, cosine], milestones=[4]).state_dict(),
+        "one_cycle": torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10).state_dict(),
+    }
+
+
+ACCEPTED = {
+    "schedulers": _schedulers_state(),
+    "everything": {
+        "t": torch.arange(3.0), "p": torch.nn.Parameter(torch.ones(2)), "n": None, "b": True, "i": 2**70,
+        "f": float("nan"), "c": 1j, "s": "x", "y": b"\x00", "dtype": torch.bfloat16, "device": torch.device("cpu"),
+        "size": torch.Size([2, 3]), "ordered": collections.OrderedDict(a=[1, (2, {3})]), 4: {None: [torch.ones(())]},
+    },
+}
+REFUSED = {
+    "function": ({"schedule": {"fn": _schedulers_state}}, "extra['schedule']['fn'] is a function"),
+    "defaultdict": ([collections.defaultdict(list)], "extra[0] is a collections.defaultdict"),
+    "frozenset": ({"a": frozenset([1])}, "extra['a'] is a frozenset"),
+    "range": ((1, range(3)), "extra[1] is a range"),
+    "key": ({range(2): 0}, "a key of extra is a range"),
+    "tensor subclass": ({"m": torch.ones(1).as_subclass(Tagged)}, f"extra['m'] is a {__name__}.Tagged"),
+}
+
+
+def _loads_without_code(value) -> bool:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+        return True
+    except pickle.UnpicklingError:
+        return False
+
+
+@pytest.mark.parametrize("label", sorted(ACCEPTED))
+def test_extra_accepted_is_what_weights_only_loads(label):
+    assert refused_part(ACCEPTED[label]) is None and _loads_without_code(ACCEPTED[label])
+
+
+@pytest.mark.parametrize("label", sorted(REFUSED))
+def test_extra_refused_is_what_weights_only_refuses_named_by_its_path(label):
+    value, named = REFUSED[label]
+    assert refused_part(value) == named and not _loads_without_code(value)

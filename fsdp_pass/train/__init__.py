@@ -7,5 +7,8 @@ and checkpoints between steps.
   optimizers (torch's conventions and options; DTensor views of the shards, or full tensors), built on
   :mod:`~fsdp_pass.train.optimizer_state` (optimizer state by parameter name);
 - :mod:`~fsdp_pass.train.distributed_checkpoint`: ``save_checkpoint`` / ``load_checkpoint``, folders of
-  ``torch.distributed.checkpoint`` files, one per step, complete or absent, loadable at any world size.
+  ``torch.distributed.checkpoint`` files, one per step, complete or absent, loadable at any world size; each
+  checked before anything is loaded: its files against :mod:`~fsdp_pass.train.checkpoint_manifest` (sizes,
+  sha256), its keys and shapes against the model's (:mod:`~fsdp_pass.train.checkpoint_fit`), its loop state
+  read without running code (:mod:`~fsdp_pass.train.loop_state`).
 """
