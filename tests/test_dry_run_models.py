@@ -56,6 +56,8 @@ def test_cli_dry_run_of_a_hugging_face_llama_config(tmp_path, capsys):
     assert sum(int(r[2].replace(",", "")) for r in rows) == n_params  # every parameter in one unit
     backward = (tmp_path / "backward_trace.py").read_text()
     assert all(f"# [fsdp] unit {u!r} reduce-scatter grads" in backward for u in units)  # labels give a loss
+    # it returns that loss (next to its logits, whose gradient the backward receives too): no note says otherwise
+    assert "loss outside the model" not in out and "clipping: fsdp_pass.clip_grad_norm_" in out
 
 
 def test_hf_config_errors_say_what_to_do(tmp_path):

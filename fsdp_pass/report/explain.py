@@ -120,10 +120,11 @@ class Explanation:
     @property
     def notes(self) -> tuple[str, ...]:
         """One line per note that applies: no_sync's accumulators (see :attr:`no_sync`), a loss outside the model
-        (the backward receives a non-scalar output's gradient), clipping (world > 1)."""
+        (the backward receives a non-scalar output's gradient, and the model returns no scalar loss), clipping
+        (world > 1)."""
         notes = [self._accumulator_note()] if self.no_sync else []
         step = self.memory.step
-        if step is not None and step.output_grad_bytes > _SCALAR_OUTPUTS:
+        if step is not None and step.output_grad_bytes > _SCALAR_OUTPUTS and not step.returns_a_loss:
             notes.append(
                 f"loss outside the model: the backward receives the gradient of {human_bytes(step.output_grad_bytes)} "
                 "of outputs (in the peak above); a loss computed from them outside the model (cross-entropy on "

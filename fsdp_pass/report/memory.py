@@ -315,6 +315,9 @@ class StepMemory:
     backward: TraceMemory | None
     saved_bytes: int  # what the forward keeps for the backward (gathered parameters included)
     saved_gathered_bytes: int  # of which gathered parameters (ZeRO-2, and units not resharded)
+    # the forward returns a 0-d output with a gradient: a loss computed inside the model (a Hugging Face model fed
+    # labels returns it next to its logits, whose gradient the backward receives too)
+    returns_a_loss: bool = False
 
     @property
     def peak_bytes(self) -> int:
@@ -423,10 +426,12 @@ def cotangents(backward) -> list[TensorProxy]:
 def step_memory(forward, backward=None) -> StepMemory:
     fwd = trace_memory(forward)
     saved = {buf.name: buf for buf in fwd.handed_on.values()}
-    bwd = trace_memory(backward, fwd.handed_on, cotangents(backward)) if backward is not None else None
+    output_grads = cotangents(backward) if backward is not None else []
+    bwd = trace_memory(backward, fwd.handed_on, output_grads) if backward is not None else None
     return StepMemory(
         fwd,
         bwd,
         sum(b.nbytes for b in saved.values()),
         sum(b.nbytes for b in saved.values() if b.kind == GATHERED),
+        any(len(g.shape) == 0 for g in output_grads),
     )
