@@ -8,11 +8,19 @@
 The stages are those of :mod:`fsdp_pass.pipeline`, the ones the ``FSDP`` transform runs: the traces come
 out the same as ``thunder.jit(model, transforms=[FSDP(...)])`` makes them. No module is changed and
 nothing is communicated: the traces show what every rank would run.
+
+Mixed precision acts where Thunder traces the module (its parameters in ``param_dtype``, its floating inputs cast
+to it), so a trace for ``mixed_precision=`` is made with it: ``functional_trace(model, x,
+mixed_precision=MixedPrecision(torch.bfloat16))``, then ``shard_functional_trace(..., model=model,
+mixed_precision=...)`` with the same setting.
 """
 
 from __future__ import annotations
 
+import copy
+
 import thunder
+import torch
 import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 from thunder.core.compile_data import compile_data_and_stats
@@ -21,15 +29,17 @@ from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
 from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
-from fsdp_pass.errors import check
+from fsdp_pass.errors import check, fail
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.plan.mixed_precision import MixedPrecision, resolve_mixed_precision, traced_dtype
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
+from fsdp_pass.shard.forward_inputs import inputs_of_step
 from fsdp_pass.shard.mesh import RankGroups
 from fsdp_pass.shard.module import ShardedModel
 
@@ -42,25 +52,59 @@ class _KeepTraces(Transform):
         return prologue, computation, epilogue
 
 
-def functional_trace(model, *args, **kwargs):
-    """Thunder's prologue and functional forward trace of ``model(*args)``: what a transform receives."""
+def functional_trace(model, *args, mixed_precision=None, **kwargs):
+    """Thunder's prologue and functional forward trace of ``model(*args, **kwargs)``: what a transform receives.
+
+    ``mixed_precision`` (a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision` or a dtype): trace it as the
+    ``FSDP`` transform does under that setting, on a copy of ``model`` whose floating parameters are in
+    ``param_dtype``, with the floating inputs cast to it (unless ``cast_forward_inputs=False``)."""
+    precision = resolve_mixed_precision(mixed_precision)
+    if precision.param_dtype is not None:
+        model = _with_parameters_traced_as(model, precision)
+    args, kwargs = inputs_of_step(args, kwargs, precision)
     keep = _KeepTraces()
     jm = thunder.jit(model, transforms=[keep])
     thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     return keep.traces
 
 
-def sharding_of_trace(prologue, computation, group, strategy) -> ShardingPlan:
-    """The sharding plan of the trace's parameter arguments at the group's world size."""
+def _with_parameters_traced_as(model, precision: MixedPrecision):
+    """A copy of ``model`` whose floating parameters are in ``precision.param_dtype`` (tied ones stay tied);
+    buffers as they are."""
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in copy_.parameters():
+            p.data = p.data.to(traced_dtype(p, precision))
+    return copy_
+
+
+def sharding_of_trace(prologue, computation, group, strategy, stored_dtypes=None) -> ShardingPlan:
+    """The sharding plan of the trace's parameter arguments at the group's world size; ``stored_dtypes``
+    (parameter name -> dtype, from the module) are the shards' dtypes where the trace computes in another one
+    (mixed precision), else the trace's dtypes are."""
     param_of_arg = parameter_names_of_args(prologue, computation)
     world_size = group.size()
+    stored_dtypes = stored_dtypes or {}
     specs = []
     for a in computation.args:
         if getattr(a, "name", None) in param_of_arg:
             name = param_of_arg[a.name]
             layout = ShardLayout(tuple(a.shape), world_size)
-            specs.append(ParamSpec(name, name, layout, thunder.dtypes.to_torch_dtype(a.dtype), a.requires_grad))
+            dtype = stored_dtypes.get(name, thunder.dtypes.to_torch_dtype(a.dtype))
+            specs.append(ParamSpec(name, name, layout, dtype, a.requires_grad))
     return ShardingPlan(world_size, dist.get_rank(group), parse_strategy(strategy), tuple(specs))
+
+
+def _check_traced_in(computation, param_of_arg, precision: MixedPrecision) -> None:
+    """A trace for mixed precision computes in ``param_dtype``: its floating parameters are in it."""
+    want = thunder.dtypes.to_dtype(precision.param_dtype)
+    for a in computation.args:
+        if getattr(a, "name", None) in param_of_arg and thunder.dtypes.is_float_dtype(a.dtype) and a.dtype != want:
+            fail(
+                f"mixed_precision computes in {precision.param_dtype}, and this trace's parameter "
+                f"{param_of_arg[a.name]!r} is {a.dtype}: the trace was made for full precision.",
+                "Trace the model for it: functional_trace(model, *args, mixed_precision=<the same setting>).",
+            )
 
 
 def shard_functional_trace(
@@ -79,7 +123,18 @@ def shard_functional_trace(
     )
     fsdp = FSDPOptions.resolve(strategy, units=units, reshard_after_forward=reshard_after_forward, **options)
     tree = ModuleTree.of(model) if model is not None else None
-    sharded = ShardedModel(sharding_of_trace(prologue, computation, group, fsdp.strategy), RankGroups(group), tree)
+    stored = None
+    if fsdp.mixed_precision.param_dtype is not None:
+        check(
+            model is not None,
+            "shard_functional_trace(..., mixed_precision=...) shards float32 master weights (the optimizer's) "
+            "of a trace that computes in the lower dtype, and without the module it cannot tell their dtype.",
+            "Pass model=<the module the trace was made from>.",
+        )
+        _check_traced_in(computation, parameter_names_of_args(prologue, computation), fsdp.mixed_precision)
+        stored = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+    sharding = sharding_of_trace(prologue, computation, group, fsdp.strategy, stored)
+    sharded = ShardedModel(sharding, RankGroups(group), tree)
     _, computation, plan, _ = rewrite_forward(prologue, computation, sharded, fsdp)
     return computation, plan
 

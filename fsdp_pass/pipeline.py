@@ -10,8 +10,9 @@ Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forwa
   2. shard     the prologue expects the shards (:func:`~fsdp_pass.shard.prologue.shard_prologue`); the
                module itself was sharded once, when the transform was applied (:mod:`fsdp_pass.shard.module`);
   3. insert    one ``unshard_unit`` per unit before its first use
-               (:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`), the mixed-precision casts
-               (:func:`~fsdp_pass.passes.cast_compute.cast_compute`), the activation checkpointing tags
+               (:func:`~fsdp_pass.passes.insert_unshards.insert_unshards`), the outputs cast to mixed
+               precision's ``output_dtype`` (:func:`~fsdp_pass.passes.cast_compute.cast_compute`; Thunder traced
+               the module in its ``param_dtype`` already), the activation checkpointing tags
                (:func:`~fsdp_pass.passes.checkpoint_units.checkpoint_units`).
 
   4. Thunder derives the backward from ``unshard_unit``'s gradient rule (:mod:`fsdp_pass.ops.unshard`:
@@ -87,7 +88,7 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
         grad_sync=grad_sync,
         replicate_group=model.groups.replicate,
     )
-    computation = cast_compute(computation, plan, options.mixed_precision)
+    computation = cast_compute(computation, options.mixed_precision)
     computation = checkpoint_units(computation, plan)
     return prologue, computation, plan, options
 

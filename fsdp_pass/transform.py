@@ -38,6 +38,7 @@ from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
+from fsdp_pass.shard.forward_inputs import cast_floating_inputs_on_call
 from fsdp_pass.shard.global_view import gather_full
 from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.shard.original import remember_shards, restore_from_shards
@@ -186,7 +187,9 @@ class FSDP(Transform):
             self.broadcast_from,
             self.release_original_parameters,
             self.options.offload_to,
+            self.options.mixed_precision,
         )
+        cast_floating_inputs_on_call(model, self.options.mixed_precision)
         if self.options.auto is not None:  # every rank plans from rank 0's cost inputs and budget
             settings = agreed_settings(self.options.auto, self.model.device, groups.everyone)
             self.options = replace(self.options, auto=settings)

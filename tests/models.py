@@ -120,7 +120,8 @@ class Rotary(nn.Module):
         T = x.shape[-2]
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
-        return x * self.cos[:T] + rotated * self.sin[:T]
+        # the tables are float32 buffers: cast to the activations' dtype, as Llama-family models do
+        return x * self.cos[:T].to(x.dtype) + rotated * self.sin[:T].to(x.dtype)
 
 
 class LlamaBlock(nn.Module):

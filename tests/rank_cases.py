@@ -56,7 +56,8 @@ _LOW_PRECISION_COPIES: dict = {}
 
 class _MixedPrecisionReference:
     """What FSDP with ``param_dtype=compute_dtype`` computes, in one process and without FSDP: each rank's
-    micro-batch through a ``compute_dtype`` copy of the float32 model (jitted by plain Thunder, so both sides
+    micro-batch through a copy of the float32 model with its parameters in ``compute_dtype`` and its buffers as
+    they are, floating inputs cast to it (jitted by plain Thunder, so both sides
     round the same decomposed ops), outputs back in float32, gradients averaged in float32 into the float32
     master parameters."""
 
@@ -64,7 +65,9 @@ class _MixedPrecisionReference:
         self.reference, self.compute_dtype, self.reduce_dtype = reference, compute_dtype, reduce_dtype
         key = (model_name, compute_dtype)
         if key not in _LOW_PRECISION_COPIES:
-            low = copy.deepcopy(reference).to(compute_dtype)
+            low = copy.deepcopy(reference)  # parameters in the compute dtype, buffers as the module defines them
+            for q in low.parameters():
+                q.data = q.data.to(compute_dtype)
             _LOW_PRECISION_COPIES[key] = low, thunder.jit(low, executors=executors_for("cpu"))
         self.low, self.jitted = _LOW_PRECISION_COPIES[key]
 

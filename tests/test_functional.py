@@ -73,7 +73,7 @@ def _canonical(trace) -> str:
 def test_the_functional_path_writes_the_traces_the_transform_writes(strategy, options):
     """Both run fsdp_pass.pipeline: the same stages in the same order, so the same final traces."""
     x, _ = models.batch("mlp", 2, 0)
-    prologue, trace = functional_trace(models.MLP(), x)
+    prologue, trace = functional_trace(models.MLP(), x, mixed_precision=options.get("mixed_precision"))
     with fake_process_group(4) as group:
         sharded, plan = shard_functional_trace(prologue, trace, group, strategy, model=models.MLP(), **options)
         forward, backward = derive_backward_and_lower(sharded, plan)

@@ -22,7 +22,7 @@ from fsdp_pass.predicates import (
 )
 from fsdp_pass.report.step_stats import step_stats
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
-from tests import explain_cases, models, rank_cases
+from tests import autocast_cases, explain_cases, models, rank_cases
 from tests.dry_runs import model_dry_run
 
 WORLD = 8
@@ -76,7 +76,7 @@ def test_compute_runs_in_bf16(runs):
     (ret,) = [b for b in runs["bf16"].backward.bound_symbols if b.sym.name == "python_return"]
     grads = [g for g in ret.args[0] if g is not None]
     assert grads and all(str(g.dtype) == "thunder.dtypes.float32" for g in grads)
-    assert "mixed precision: gather+compute bfloat16, reduce float32, outputs float32" in str(runs["bf16"].explanation)
+    assert "mixed precision: gather+compute bfloat16, floating inputs cast to it, reduce float32, outputs float32" in str(runs["bf16"].explanation)
 
 
 def _divisions_around_reduce_scatters(trace):
@@ -139,3 +139,13 @@ def test_parity_with_mixed_precision(ranks, model_name, strategy, reduce_dtype, 
     assert r["full_precision_grad_norm_rel_err"] > max(r["grad_norm_rel_err"], 1e-3), r
     assert r["losses"][-1] < r["losses"][0]
     assert all(x["losses"] == r["losses"] for x in results)
+
+
+def test_torch_autocast_trains_as_one_process_does(ranks):
+    """Float32 parameters under ``torch.autocast``: Thunder's autocast casts the gathered float32 parameters at each
+    matmul, as it does for the whole model in one process (the gathers move float32: MixedPrecision moves half)."""
+    results = ranks(2).run(autocast_cases.autocast_parity, "llama_gqa", "zero3")
+    for r in results:
+        assert r["out_dtypes"] == ["torch.bfloat16"], r  # autocast did compute the head in bfloat16
+        assert r["shard_dtypes"] == ["torch.float32"], r
+        assert r["loss_rel_err"] <= TOL_SAME_CASTS and r["param_rel_err"] <= 1e-5, r

@@ -2,8 +2,10 @@
 
 ``insert_unshards(trace, plan, group, precision=..., compute_device=..., grad_sync=...) -> trace``
 
-1. Every parameter argument is replaced by a proxy of its shard's shape (same name, so the
-   prologue, the gradients and the optimizer all see the sharded tensor).
+1. Every parameter argument is replaced by a proxy of its shard's shape and dtype (same name, so the
+   prologue, the gradients and the optimizer all see the sharded tensor). Under mixed precision Thunder traced
+   the parameters in ``param_dtype``: the shard is in the master weights' dtype, and its gather yields
+   ``param_dtype`` again, which the ops after it were traced with.
 2. Walking the ops in order, right before the first op that reads a parameter of a unit not yet
    gathered, one ``unshard_unit`` is emitted for the whole unit.
 3. Every read of a parameter is redirected to its gathered (full, unpadded) tensor.
@@ -32,14 +34,14 @@ from fsdp_pass.predicates import is_return, is_unpack_trivial
 
 
 def sharded_arg_proxies(trace, plan: UnitPlan, shard_device=None) -> dict:
-    """variableified full-shape argument -> proxy of the same name with the shard's shape (and, offloaded,
-    the device the shards live on)."""
+    """variableified full-shape argument -> proxy of the same name with the shard's shape and dtype (and,
+    offloaded, the device the shards live on)."""
     param_of_arg = plan.param_of_arg
     swap = {}
     for a in trace.args:
         if getattr(a, "name", None) in param_of_arg:
             spec = plan.sharding.param(param_of_arg[a.name])
-            swap[variableify(a)] = with_shape(a, spec.layout.shard_shape, shard_device)
+            swap[variableify(a)] = with_shape(a, spec.layout.shard_shape, shard_device, spec.dtype)
     return swap
 
 

@@ -1,19 +1,28 @@
 """``MixedPrecision``: which dtype the unit's parameters are gathered and computed in, reduced in, returned in.
 
-- ``param_dtype`` (e.g. ``torch.bfloat16``): each unit's shard is cast *before* its all-gather (so the
-  gather moves half the bytes of float32) and the forward computes in it. Floating inputs and buffers
-  are cast to it too, as FSDP2's ``cast_forward_inputs`` does, so no op mixes the two dtypes.
-  The optimizer keeps stepping on the float32 shards: they are the master weights.
+The semantics are FSDP2's (``MixedPrecisionPolicy``), by construction:
+
+- ``param_dtype`` (e.g. ``torch.bfloat16``): Thunder traces the module with its floating parameters in that
+  dtype (:mod:`fsdp_pass.shard.module` gives the released originals meta tensors of it), so the module's own
+  casts are traced as written: a rotary table computed in float32 and cast to the activations' dtype, an
+  RMSNorm that upcasts to float32. Each unit's float32 shard is cast *before* its all-gather (the gather moves
+  half the bytes of float32) and the gathered parameters arrive in ``param_dtype``. Buffers stay as the module
+  defines them. The optimizer keeps stepping on the float32 shards: they are the master weights.
+- ``cast_forward_inputs`` (default True, as FSDP2's): floating tensors among the model's inputs are cast to
+  ``param_dtype`` before the compiled step sees them (:mod:`fsdp_pass.shard.forward_inputs`), so the trace
+  starts from them; integer inputs (token ids) are left alone. False: inputs reach the module as given.
 - ``reduce_dtype`` (default float32): the unit's gradients are cast to it before the reduce-scatter.
   bfloat16 halves those bytes too, at the cost of summing in bfloat16. float16 works as well; as a sum
   of N float16 gradients can overflow, they are divided by the world size before the reduce-scatter,
   not after.
-- ``output_dtype`` (default: leave the outputs as computed): floating outputs are cast to it.
+- ``output_dtype`` (default: leave the outputs as computed): floating outputs are cast to it at the end of the
+  forward (:mod:`fsdp_pass.passes.cast_compute`, the one cast the pass writes into the trace itself).
 
-Numerics: with ``param_dtype=bfloat16`` the forward and backward round like a model cast with
-``.to(torch.bfloat16)``; gradients reach the shards in float32. The parity tests compare against such a
-model jitted by plain Thunder (``tests/test_mixed_precision.py``): identical with a float32 reduce (tolerance
-1e-6), within 2e-2 with a bfloat16 reduce, whose sum gloo rounds differently from torch.
+Numerics: the forward and backward round as the same module run eagerly with its parameters in
+``param_dtype`` and float32 master weights (FSDP2 with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``);
+gradients reach the shards in ``reduce_dtype``'s sum, then float32. The parity tests compare against such a
+model jitted by plain Thunder, and against FSDP2 (``tests/test_mixed_precision.py``,
+``tests/test_recipe_parity.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ class MixedPrecision:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = torch.float32
     output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -45,13 +55,23 @@ class MixedPrecision:
         def name(d, default):
             return default if d is None else str(d).removeprefix("torch.")
 
+        inputs = ""
+        if self.param_dtype is not None:
+            inputs = f", floating inputs {'cast to it' if self.cast_forward_inputs else 'as given'}"
         return (
-            f"gather+compute {name(self.param_dtype, 'as stored')}, reduce {name(self.reduce_dtype, 'as computed')}, "
-            f"outputs {name(self.output_dtype, 'as computed')}"
+            f"gather+compute {name(self.param_dtype, 'as stored')}{inputs}, "
+            f"reduce {name(self.reduce_dtype, 'as computed')}, outputs {name(self.output_dtype, 'as computed')}"
         )
 
 
 FULL_PRECISION = MixedPrecision(param_dtype=None, reduce_dtype=None, output_dtype=None)
+
+
+def traced_dtype(param: torch.Tensor, precision: MixedPrecision) -> torch.dtype:
+    """The dtype Thunder traces ``param`` in: ``param_dtype`` for a floating parameter, else its own."""
+    if precision.param_dtype is not None and param.is_floating_point():
+        return precision.param_dtype
+    return param.dtype
 
 
 def resolve_mixed_precision(spec) -> MixedPrecision:

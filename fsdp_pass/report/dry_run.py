@@ -27,6 +27,7 @@ from fsdp_pass.errors import check
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.meta_autocast import autocast_on_meta_as
 from fsdp_pass.shard.groups import fake_process_group
+from fsdp_pass.shard.forward_inputs import inputs_of_step
 from fsdp_pass.transform import FSDP
 
 
@@ -108,6 +109,7 @@ def dry_run(
             fsdp_kwargs["mesh"] = init_device_mesh("cpu", tuple(mesh), mesh_dim_names=("replicate", "shard"))
         fsdp = FSDP(strategy, device="meta", **fsdp_kwargs)
         jm = thunder.jit(module, transforms=[fsdp], executors=executors)
+        args, kwargs = inputs_of_step(args, kwargs, fsdp.options.mixed_precision)  # as the jitted module's call
         thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     seconds = time.perf_counter() - t0
     step = fsdp.compiled_step

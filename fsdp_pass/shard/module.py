@@ -8,7 +8,9 @@
 4. Optionally broadcast full parameters and buffers from one rank so all ranks start equal.
 5. Replace each parameter by this rank's dim-0 shard (a new ``nn.Parameter``, registered as a
    Thunder override under every name that shares it). Buffers stay replicated.
-6. Optionally release the original full tensors (replaced by meta tensors of the same shape).
+6. Optionally release the original full tensors (replaced by meta tensors of the same shape). Thunder traces
+   the module's code on these: under mixed precision a floating parameter's meta tensor has ``param_dtype``, so
+   the trace computes in it as the module's own code says (its casts kept), while the shard stays float32.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from thunder.core.module import ThunderModule
 
 from fsdp_pass.errors import check, fail
 from fsdp_pass.plan.layout import ShardLayout, shard_tensor
+from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, traced_dtype
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, Strategy
 from fsdp_pass.shard.mesh import RankGroups, resolve_groups
@@ -116,9 +119,11 @@ def _replicate_buffers(thunder_module, group, device, broadcast_from) -> None:
                 thunder_module._overrides_buffers[n2] = moved
 
 
-def _shard_parameters(thunder_module, sharding: ShardingPlan, group, device, shard_device, broadcast_from, release):
+def _shard_parameters(thunder_module, sharding: ShardingPlan, group, device, shard_device, broadcast_from, release,
+                      precision: MixedPrecision):
     """Each parameter replaced, under every name sharing it, by this rank's shard (the whole parameter taken from
-    rank ``broadcast_from`` of ``group``, every rank of the model, first)."""
+    rank ``broadcast_from`` of ``group``, every rank of the model, first); released, the original's tensor becomes
+    a meta tensor in the dtype the step computes in."""
     shared = thunder_module._get_shared_names()
     for spec in sharding.owners():
         full = thunder_module.get_parameter(spec.name).detach().to(device, copy=broadcast_from is not None)
@@ -129,14 +134,23 @@ def _shard_parameters(thunder_module, sharding: ShardingPlan, group, device, sha
         for n2 in shared[spec.name]:
             thunder_module._overrides_parameters[n2] = shard
         if release:  # traced on the compute device: the module's code computes there
-            _release(thunder_module._model, shared[spec.name], device)
+            _release(thunder_module._model, shared[spec.name], device, precision)
 
 
 def shard_module(
     thunder_module, groups: RankGroups, strategy: Strategy, device, broadcast_from, release_originals: bool,
-    offload_to=None,
+    offload_to=None, precision: MixedPrecision = FULL_PRECISION,
 ) -> ShardedModel:
     """Shard ``thunder_module``'s parameters over ``groups.shard`` (steps 3-6 of the module docstring)."""
+    check(
+        release_originals or precision.param_dtype is None,
+        f"mixed_precision with param_dtype={precision.param_dtype} traces the model with its parameters in that "
+        "dtype, on meta tensors that take the place of the released originals; with "
+        "release_original_parameters=False the original module keeps its own float tensors, and the step would "
+        "trace in their dtype.",
+        "Keep release_original_parameters=True (the default); for a full copy of the weights use "
+        "fsdp_pass.full_state_dict(jm).",
+    )
     original = thunder_module._model
     device = resolve_device(original, device)
     shard_device = device if offload_to is None else torch.device(offload_to)
@@ -153,7 +167,9 @@ def shard_module(
         _replicate_buffers(thunder_module, everyone, device, broadcast_from)
         # a dry run (meta device) allocates nothing, offloaded or not; its traces still show the copies
         placed_on = device if device.type == "meta" else shard_device
-        _shard_parameters(thunder_module, sharding, everyone, device, placed_on, broadcast_from, release_originals)
+        _shard_parameters(
+            thunder_module, sharding, everyone, device, placed_on, broadcast_from, release_originals, precision
+        )
     return ShardedModel(sharding, groups, tree, device, shard_device, placed_on)
 
 
@@ -164,8 +180,9 @@ def place_shard(shard: torch.Tensor, shard_device: torch.device, device: torch.d
     return shard.pin_memory() if shard_device.type == "cpu" and device.type == "cuda" else shard
 
 
-def _release(original: torch.nn.Module, names, device: torch.device) -> None:
-    """Swap the original module's full tensor for a meta tensor of the same shape (frees its memory).
+def _release(original: torch.nn.Module, names, device: torch.device, precision: MixedPrecision) -> None:
+    """Swap the original module's full tensor for a meta tensor of the same shape (frees its memory), in the dtype
+    the step computes in (:func:`~fsdp_pass.plan.mixed_precision.traced_dtype`).
 
     Thunder reads ``_thunder_device`` to trace a meta tensor as if it lived on ``device``.
     """
@@ -175,7 +192,9 @@ def _release(original: torch.nn.Module, names, device: torch.device) -> None:
         sub = original.get_submodule(mod_name)
         p = getattr(sub, attr)
         if meta is None:
-            meta = torch.nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            meta = torch.nn.Parameter(
+                p.detach().to("meta", traced_dtype(p, precision)), requires_grad=p.requires_grad
+            )
             meta._thunder_device = device
         sub.register_parameter(attr, meta)
 

@@ -2,8 +2,9 @@
 
 ``shard_prologue(prologue, sharding, device, grad_sync) -> prologue``:
 
-1. The tensor produced by ``module.get_parameter(name)`` gets its shard's shape, and the metadata check
-   on it expects that shape and the shard's device (``device``; None keeps the device it checked).
+1. The tensor produced by ``module.get_parameter(name)`` gets its shard's shape and dtype (the master weights'
+   dtype: Thunder traced the module in a mixed-precision ``param_dtype``), and the metadata check on it expects
+   that shape, that dtype and the shard's device (``device``; None keeps the device it checked).
 2. One ``check_grad_sync(accumulators, mode)`` before the return (when ``grad_sync`` names the
    transform's accumulators): this compiled variant runs only while :func:`fsdp_pass.no_sync` is in the
    mode it was compiled for (Thunder's cache tries the next variant, or compiles one, when the check
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 from thunder.core import devices
+from thunder.core.dtypes import to_torch_dtype
 from thunder.core.proxies import variableify
 from thunder.core.trace import TraceProvenance, from_trace
 
@@ -30,14 +32,17 @@ def shard_prologue(prologue, sharding: ShardingPlan, device, grad_sync: tuple):
     for bsym in prologue.bound_symbols:
         if is_unpack_parameter(bsym) and bsym.args[1] in sharding:
             out = bsym.output
-            swap[variableify(out)] = with_shape(out, sharding.param(bsym.args[1]).layout.shard_shape, device)
+            spec = sharding.param(bsym.args[1])
+            swap[variableify(out)] = with_shape(out, spec.layout.shard_shape, device, spec.dtype)
 
     new = from_trace(prologue)
     for bsym in prologue.bound_symbols:
         nbsym = bsym.from_bsym_swap_proxies(swap)
         if is_shape_check(bsym) and variableify(bsym.args[0]) in swap:
-            tensor, _, checked_device, *rest = nbsym.args
-            nbsym = nbsym.from_bsym(args=(tensor, tuple(tensor.shape), device_str or checked_device, *rest))
+            tensor, _, checked_device, _, *rest = nbsym.args
+            nbsym = nbsym.from_bsym(
+                args=(tensor, tuple(tensor.shape), device_str or checked_device, to_torch_dtype(tensor.dtype), *rest)
+            )
         if is_return(bsym) and accumulators is not None:
             new.bound_symbols.append(grad_sync_check(accumulators, mode))
         new.bound_symbols.append(nbsym)
