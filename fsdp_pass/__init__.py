@@ -41,6 +41,7 @@ from fsdp_pass.report.explain import Explanation
 from fsdp_pass.shard.groups import fake_process_group
 from fsdp_pass.train.distributed_checkpoint import Resumed, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
+from fsdp_pass.train.grad_scaler import GradScaler
 from fsdp_pass.train.state_dicts import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -58,6 +59,7 @@ __all__ = [
     "Explanation",
     "FSDPError",
     "GradNorms",
+    "GradScaler",
     "Groups",
     "MixedPrecision",
     "PerParameter",
