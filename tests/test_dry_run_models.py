@@ -15,7 +15,7 @@ import torch
 from fsdp_pass import FSDPError
 from fsdp_pass.__main__ import main
 from fsdp_pass.models.spec import build_model
-from fsdp_pass.report.text import human_count
+from fsdp_pass.report.text import human_bytes, human_count
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny_llama"
 
@@ -41,7 +41,8 @@ def llama_parameters(config: dict) -> int:
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_cli_dry_run_of_a_hugging_face_llama_config(tmp_path, capsys):
     pytest.importorskip("transformers")
-    argv = ["explain", "--world-size", "8", "--model", f"hf:{HF_LLAMA}", "--seq", "8", "--out", str(tmp_path)]
+    argv = ["explain", "--world-size", "8", "--model", f"hf:{HF_LLAMA}", "--seq", "8", "--out", str(tmp_path),
+            "--param-dtype", "bfloat16"]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     config = json.loads((HF_LLAMA / "config.json").read_text())
@@ -58,6 +59,17 @@ def test_cli_dry_run_of_a_hugging_face_llama_config(tmp_path, capsys):
     assert all(f"# [fsdp] unit {u!r} reduce-scatter grads" in backward for u in units)  # labels give a loss
     # it returns that loss (next to its logits, whose gradient the backward receives too): no note says otherwise
     assert "loss outside the model" not in out and "clipping: fsdp_pass.clip_grad_norm_" in out
+    # the users' recipe, bfloat16 with a float32 reduce: gathers priced at 2 bytes a parameter, reduces at 4
+    assert "mixed precision: gather+compute bfloat16" in out and ", reduce float32," in out
+    floor = [line for line in out.splitlines() if line.startswith("  floor")]
+    assert floor and floor[0].split()[1:3] == human_bytes(int(7 / 8 * (2 + 4) * n_params)).split(), floor
+    forward = (tmp_path / "forward_trace.py").read_text()
+    gathers = [line for line in forward.splitlines() if "all_gather(" in line and " = " in line]
+    assert len(gathers) == len(units) and all('bf16[' in line for line in gathers), gathers
+    # the module's own casts are traced as written: the rotary table is computed in float32, attention in bfloat16
+    ops = [line for line in forward.splitlines() if not line.lstrip().startswith("#")]
+    assert any("torch.cos(" in line and 'f32[' in line for line in ops)
+    assert [line for line in ops if "torch.matmul(" in line and "bf16[" in line]
 
 
 def test_hf_config_errors_say_what_to_do(tmp_path):

@@ -50,6 +50,13 @@ def test_gathers_move_half_the_bytes(runs):
     assert _bytes(runs["bf16_reduce"], REDUCE_SCATTER) * 2 == _bytes(runs["fp32"], REDUCE_SCATTER)
     fp32, bf16 = runs["fp32"].explanation, runs["bf16_reduce"].explanation
     assert bf16.bytes_per_rank * 2 == pytest.approx(fp32.bytes_per_rank)
+    # the floor counts the dtypes that move: 2 bytes a parameter gathered, 4 or 2 reduced
+    ring, params = (WORLD - 1) / WORLD, fp32.param_bytes  # float32: 4 bytes a parameter
+    assert fp32.floor_bytes_per_rank == pytest.approx(ring * (params + params))
+    assert runs["bf16"].explanation.floor_bytes_per_rank == pytest.approx(ring * (params / 2 + params))
+    assert bf16.floor_bytes_per_rank == pytest.approx(ring * (params / 2 + params / 2))
+    assert bf16.textbook_bytes_per_rank == pytest.approx(ring * 3 * params / 2)
+    assert "as gathered" in str(runs["bf16"].explanation) and "as gathered" not in str(fp32)
 
 
 def test_the_shard_is_cast_before_its_gather(runs):

@@ -111,6 +111,9 @@ class Explanation:
     param_bytes: int  # all parameters, unsharded
     options: tuple[str, ...] = ()  # one line per option the user set (mixed precision, offload, checkpointing)
     no_sync: bool = False  # show what no_sync()'s accumulators hold (the compile was made under no_sync, or asked)
+    # all parameters as gathered and as reduced (mixed precision's param_dtype and reduce_dtype; None: param_bytes)
+    gathered_param_bytes: int | None = None
+    reduced_param_bytes: int | None = None
 
     def with_no_sync(self) -> Explanation:
         """This explanation with a note of what :func:`fsdp_pass.no_sync`'s accumulators would hold per rank
@@ -148,13 +151,19 @@ class Explanation:
 
     @property
     def floor_bytes_per_rank(self) -> float:
-        """What no ZeRO scheme goes below: every parameter gathered once and reduce-scattered once."""
-        return floor_bytes(self.param_bytes, self.world_size, 1)
+        """What no ZeRO scheme goes below: every parameter gathered once and reduce-scattered once (in the dtypes
+        mixed precision gathers and reduces in)."""
+        return floor_bytes(self._gathered_bytes, self.world_size, 1, self.reduced_param_bytes)
 
     @property
     def textbook_bytes_per_rank(self) -> float:
         """The textbook cost of the strategy: ZeRO-2 gathers every parameter once, ZeRO-3 twice."""
-        return floor_bytes(self.param_bytes, self.world_size, 2 if self.strategy is Strategy.ZERO3 else 1)
+        gathers = 2 if self.strategy is Strategy.ZERO3 else 1
+        return floor_bytes(self._gathered_bytes, self.world_size, gathers, self.reduced_param_bytes)
+
+    @property
+    def _gathered_bytes(self) -> int:
+        return self.param_bytes if self.gathered_param_bytes is None else self.gathered_param_bytes
 
     @property
     def bytes_per_rank(self) -> float | None:
@@ -235,7 +244,8 @@ class Explanation:
             lines.extend(self._link_lines())
         lines.append(
             f"  floor         {human_bytes(int(floor)):>10}  (each of the {human_bytes(self.param_bytes)} "
-            "of parameters gathered once and reduce-scattered once)"
+            "of parameters gathered once and reduce-scattered once"
+            + self._sent_dtypes_note() + ")"
         )
         if self.strategy is Strategy.ZERO3:
             lines.append(
@@ -243,6 +253,13 @@ class Explanation:
                 "in the backward; this pass does not re-gather the last unit, nor a unit the backward never reads)"
             )
         return lines
+
+    def _sent_dtypes_note(self) -> str:
+        """Under mixed precision, the bytes the floor counts: the parameters as gathered and as reduced."""
+        gathered, reduced = self._gathered_bytes, self.reduced_param_bytes
+        if gathered == self.param_bytes and reduced in (None, self.param_bytes):
+            return ""
+        return f"; {human_bytes(gathered)} as gathered, {human_bytes(reduced)} as reduced"
 
     def _replicas(self) -> int:
         """HSDP: the ranks of the replicate group the gradient shards are all-reduced over (0: not HSDP)."""
@@ -477,6 +494,12 @@ def _options(plan: UnitPlan, precision: MixedPrecision, offload_to) -> tuple[str
 def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision, offload_to) -> Explanation:
     memory = _memory(plan, step, optimizer, precision, offload_to)
     owners = plan.sharding.owners()
+    gather_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
+
+    def nbytes(dtype, specs) -> int:
+        return sum(p.layout.numel * (p.itemsize if dtype is None or not p.dtype.is_floating_point else dtype.itemsize)
+                   for p in specs)
+
     return Explanation(
         plan,
         _unit_rows(plan, step_overlap(step).rows if step is not None else ()),
@@ -485,6 +508,8 @@ def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision
         sum(p.layout.numel * p.itemsize for p in owners),
         _options(plan, precision, offload_to),
         step is not None and _made_under_no_sync(step),
+        nbytes(gather_dtype, owners),
+        nbytes(reduce_dtype, [p for p in owners if p.requires_grad]),
     )
 
 

@@ -84,6 +84,8 @@ def step_stats(forward, backward, world_size: int) -> StepStats:
     return StepStats(world_size, tuple(colls), max(live_over_step(forward, backward, gathered_only=True), default=0))
 
 
-def floor_bytes(param_bytes: int, world_size: int, gathers_per_step: int) -> float:
-    """Per-rank bytes per step no ZeRO scheme can go below: ``gathers_per_step`` gathers + 1 reduce-scatter."""
-    return (gathers_per_step + 1) * (world_size - 1) / world_size * param_bytes
+def floor_bytes(param_bytes: int, world_size: int, gathers_per_step: int, reduced_bytes: int | None = None) -> float:
+    """Per-rank bytes per step no ZeRO scheme can go below: ``gathers_per_step`` gathers of ``param_bytes`` + 1
+    reduce-scatter of ``reduced_bytes`` (default: ``param_bytes``; under mixed precision the two dtypes differ)."""
+    reduced = param_bytes if reduced_bytes is None else reduced_bytes
+    return (world_size - 1) / world_size * (gathers_per_step * param_bytes + reduced)
