@@ -1,22 +1,32 @@
-"""The whole training loop around the step, as a real run needs it: gradient accumulation, clipping by the
-global norm, a learning-rate schedule, sharded checkpoints, and resuming, at any world size.
+"""The whole training loop around the step, as a real run needs it: a model on real text, mixed precision,
+gradient accumulation, clipping by the global norm, a learning-rate schedule, validation, sharded checkpoints,
+and resuming, at any world size.
 
     torchrun --standalone --nproc_per_node=2 -m fsdp_pass.loop --steps 8 --save-every 4 --checkpoint-dir ckpt
     torchrun --standalone --nproc_per_node=1 -m fsdp_pass.loop --steps 12 --save-every 4 --checkpoint-dir ckpt
 
 The second command finds ``ckpt/step-00000008`` (written by 2 ranks), loads it at world size 1 and goes on
-from step 8. Each step:
+from step 8. A run:
 
-1. The global batch of the step (the same whatever the world size) is cut into one slice per rank, and
-   each slice into ``--accumulate`` micro-batches. All but the last run under ``no_sync`` (gradients
-   summed locally, no reduce-scatter); the last one reduce-scatters the sum.
-2. ``fsdp_pass.clip_grad_norm_``: the whole model's gradient norm from the shards, the same on every rank.
-3. The optimizer and the schedule step; every ``--save-every`` steps ``fsdp_pass.save_checkpoint`` writes
-   the shards and the optimizer state (torch.distributed.checkpoint) with the schedule's state.
+1. The model is ``--model`` (a built-in config or ``hf:<config>``) with a byte vocabulary
+   (:mod:`fsdp_pass.train.byte_model`), jitted with ``FSDP(--strategy, mixed_precision=MixedPrecision(
+   --param-dtype, reduce_dtype=float32), checkpoint_activations=...)``; AdamW, a warm-up then a constant rate.
+2. The text is ``--data`` (a file or a folder; by default the standard library's ``*.py``), read as bytes, its
+   last ``--val-fraction`` held out (:mod:`fsdp_pass.train.text_data`).
+3. Each step, the step's global batch, drawn from ``(--seed, step)`` alone and so the same at any world size,
+   is cut into one slice per rank, and each slice into ``--accumulate`` micro-batches. All but the last run
+   under ``no_sync`` (gradients summed locally, no reduce-scatter); the last one reduce-scatters the sum.
+   ``fsdp_pass.clip_grad_norm_`` clips by the whole model's gradient norm; the optimizer and schedule step.
+4. At the run's first step, every ``--eval-every`` steps and after the last, the held-out loss of the
+   parameters (the same windows each time, through the training step's forward: no second compile).
+5. A progress line every ``--log-every`` steps (:mod:`fsdp_pass.train.progress`: loss, val loss, tokens/s,
+   ms/step, on CUDA the MFU), a checkpoint every ``--save-every`` steps (``fsdp_pass.save_checkpoint``: the
+   shards, the optimizer state, the schedule's state), a summary at the end.
 
 The losses do not depend on the world size (the global batch and its order are the same), so a run
 resumed at another world size goes on with the losses of the run that saved it (float32 sums in another
-order aside).
+order aside). A checkpoint also records what decides the batches (seed, global batch, sequence, data);
+resuming with other values is an FSDPError.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import time
 
 import thunder
 import torch
@@ -32,81 +43,188 @@ from fsdp_pass_executors import executors_for
 
 from fsdp_pass.api import no_sync
 from fsdp_pass.errors import check
-from fsdp_pass.models.tiny_lm import TinyLM, counting_batch
-from fsdp_pass.models.zoo import WithLoss
+from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.train.byte_model import byte_model
 from fsdp_pass.train.distributed_checkpoint import load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import clip_grad_norm_
+from fsdp_pass.train.progress import LoopRun, Window, progress_line, summary_lines
+from fsdp_pass.train.text_data import load_corpus, rank_slice, train_windows, val_windows
+from fsdp_pass.train.throughput import model_flops, peak_flops
 from fsdp_pass.transform import FSDP
 
-VOCAB, SEQ = 64, 32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def arguments(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="zero3", choices=["zero2", "zero3"])
-    parser.add_argument("--steps", type=int, default=8, help="train until this many optimizer steps are done")
-    parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all ranks")
-    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per rank per step")
-    parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest checkpoint")
-    parser.add_argument("--save-every", type=int, default=4)
-    return parser.parse_args(argv)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default="bench",
+                       help="a built-in config (tiny, bench, ...) or hf:<config.json or folder>")
+    model.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    model.add_argument("--strategy", default="zero3", choices=["zero2", "zero3", "auto"])
+    model.add_argument("--param-dtype", default="float32", choices=sorted(DTYPES),
+                       help="gather and compute in this dtype; gradients reduced in float32")
+    model.add_argument("--checkpoint-activations", action="store_true", help="recompute each unit in the backward")
+    data = parser.add_argument_group("data")
+    data.add_argument("--data", default=None, help="a text file or a folder of them (default: the stdlib's *.py)")
+    data.add_argument("--val-fraction", type=float, default=0.05, help="the last part of the bytes, held out")
+    data.add_argument("--seq", type=int, default=128, help="bytes per sequence")
+    data.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, over all ranks")
+    data.add_argument("--accumulate", type=int, default=2, help="micro-batches per rank per step")
+    data.add_argument("--seed", type=int, default=0, help="seeds the model's initialization and the batches")
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=8, help="train until this many optimizer steps are done")
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--warmup", type=int, default=4, help="steps of linear warm-up")
+    train.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm")
+    train.add_argument("--eval-every", type=int, default=50, help="held-out loss every this many steps")
+    train.add_argument("--eval-batches", type=int, default=2, help="global batches of held-out windows per evaluation")
+    train.add_argument("--log-every", type=int, default=1, help="a progress line every this many steps")
+    train.add_argument("--peak-tflops", type=float, default=None,
+                       help="the device's matmul peak for the MFU (default: a table of GPUs; none on the CPU)")
+    train.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest checkpoint")
+    train.add_argument("--save-every", type=int, default=4)
+    args = parser.parse_args(argv)
+    for name in ("steps", "seq", "global_batch", "accumulate", "eval_every", "eval_batches", "log_every", "save_every"):
+        check(getattr(args, name) >= 1, f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1.",
+              f"Pass --{name.replace('_', '-')} 1 or more.")
+    return args
 
 
-def warmup_then_constant(step: int) -> float:
-    return min(1.0, (step + 1) / 4)
+def warmup_then_constant(warmup: int):
+    return lambda step: min(1.0, (step + 1) / warmup)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _batch_contract(args) -> dict:
+    """What decides each step's batch: a resumed run must agree on it to go on with the same losses."""
+    return {"seed": args.seed, "global_batch": args.global_batch, "seq": args.seq, "data": str(args.data),
+            "val_fraction": args.val_fraction}
+
+
+def _check_same_batches(saved: dict | None, args, path) -> None:
+    now = _batch_contract(args)
+    differ = {k: (saved[k], now[k]) for k in now if saved is not None and k in saved and saved[k] != now[k]}
+    check(
+        not differ,
+        lambda: f"The checkpoint {path} was trained with other batches: "
+        + ", ".join(f"{k} {was!r} then, {is_!r} now" for k, (was, is_) in differ.items()) + ".",
+        "Resume with the values it was saved with, or pass another --checkpoint-dir to start afresh.",
+    )
+
+
+def _micro_batches(windows: torch.Tensor, rank: int, world: int, accumulate: int, device) -> tuple:
+    return rank_slice(windows, rank, world).to(device).chunk(accumulate)
+
+
+def _mean_over_ranks(total: torch.Tensor, world: int) -> float:
+    dist.all_reduce(total)
+    return float(total) / world
+
+
+def evaluate(model, jm, val: torch.Tensor, args, device) -> float:
+    """The held-out loss: the mean over every window of ``val``, each rank its slice, in micro-batches of the
+    training step's shape. It runs the training step's compiled forward, its result detached and no backward
+    run: under ``torch.no_grad`` Thunder would compile (and hold) a second forward for the same numbers."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = _micro_batches(val, rank, world, args.accumulate * args.eval_batches, device)
+    total = torch.zeros((), device=device)
+    for windows in micro:
+        total += model.loss(jm, windows).detach().float() / len(micro)
+    return _mean_over_ranks(total, world)
+
+
+def train_step(model, jm, opt, schedule, windows: torch.Tensor, args, device) -> tuple[float, float]:
+    """One optimizer step on this rank's slice of ``windows`` (item 3 of the module's docstring): the loss
+    averaged over ranks, and the global gradient norm before clipping."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = _micro_batches(windows, rank, world, args.accumulate, device)
+    total = torch.zeros((), device=device)
+    for i, xm in enumerate(micro):
+        with contextlib.nullcontext() if i == len(micro) - 1 else no_sync(jm):
+            loss = model.loss(jm, xm) / len(micro)
+            loss.backward()
+        total += loss.detach().float()
+    norm = clip_grad_norm_(jm, args.max_norm)
+    opt.step()
+    schedule.step()
+    opt.zero_grad()
+    return _mean_over_ranks(total, world), float(norm)
+
+
+def _precision(args):
+    dtype = DTYPES[args.param_dtype]
+    return None if dtype == torch.float32 else MixedPrecision(dtype, reduce_dtype=torch.float32)
 
 
 def train(args, say=print) -> dict[int, float]:
     """Run the loop on an initialized process group; returns {step: mean loss over ranks}."""
+    return run_training(args, say).losses
+
+
+def run_training(args, say=print) -> LoopRun:
+    """Run the loop on an initialized process group (items 1-5 of the module's docstring); returns what it
+    measured: each step's loss and time, the validation losses, the tokens and FLOPs of a step."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = args.global_batch // world
     check(
         args.global_batch % (world * args.accumulate) == 0,
         f"A global batch of {args.global_batch} does not split into {world} ranks x {args.accumulate} micro-batches.",
         "Pick --global-batch a multiple of world size x --accumulate.",
     )
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    )
-    torch.manual_seed(0)
-    model = WithLoss(TinyLM(vocab=VOCAB, n_layer=args.layers, block_size=SEQ)).to(device)
-    jm = thunder.jit(model, transforms=[FSDP(args.strategy)], executors=executors_for(device))
-    opt = torch.optim.AdamW(jm.parameters(), lr=3e-3, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_constant)
+    device = _device()
+    corpus = load_corpus(args.data, args.val_fraction)
+    val = val_windows(corpus, args.eval_batches * args.global_batch, args.seq)
+    torch.manual_seed(args.seed)
+    model = byte_model(args.model, device, layers=args.layers, seq=args.seq)
+    fsdp = FSDP(args.strategy, mixed_precision=_precision(args), checkpoint_activations=args.checkpoint_activations)
+    jm = thunder.jit(model.module, transforms=[fsdp], executors=executors_for(device))
+    opt = torch.optim.AdamW(jm.parameters(), lr=args.lr, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_constant(args.warmup))
+    say(f"model {args.model}: {model.parameters():,} parameters, byte vocabulary; {args.strategy}, "
+        f"{args.param_dtype}{', activation checkpointing' if args.checkpoint_activations else ''}; "
+        f"world size {world} ({dist.get_backend()}, {device.type})")
+    say(f"data: {corpus.describe()}; {args.global_batch} x {args.seq} bytes per step")
 
     start = 0
     resumed = load_checkpoint(args.checkpoint_dir, jm, opt) if args.checkpoint_dir else None
     if resumed is not None:
+        _check_same_batches(resumed.extra.get("batches"), args, resumed.path)
         schedule.load_state_dict(resumed.extra["schedule"])
         start = resumed.step
         ranks = f"{world} rank{'s' if world > 1 else ''}"
         say(f"resumed from {resumed.path} (saved by {resumed.extra['world_size']} ranks) at step {start}, on {ranks}")
 
-    losses = {}
+    peak = peak_flops(device, DTYPES[args.param_dtype], args.peak_tflops)
+    run = LoopRun(tokens_per_step=args.global_batch * args.seq)
+    window, began = Window(), time.perf_counter()
     for step in range(start, args.steps):
-        x, y = counting_batch(args.global_batch, SEQ, VOCAB, step)
-        x, y = (t[rank * per_rank : (rank + 1) * per_rank].to(device) for t in (x, y))
-        total = torch.zeros((), device=device)
-        for i, (xm, ym) in enumerate(zip(x.chunk(args.accumulate), y.chunk(args.accumulate))):
-            last = i == args.accumulate - 1
-            with contextlib.nullcontext() if last else no_sync(jm):
-                loss = jm(xm, ym) / args.accumulate
-                loss.backward()
-            total += loss.detach()
-        norm = clip_grad_norm_(jm, args.max_norm)
-        opt.step()
-        schedule.step()
-        opt.zero_grad()
-        dist.all_reduce(total)
-        losses[step] = float(total) / world
-        say(f"step {step:3d}  loss {losses[step]:.6f}  grad norm {float(norm):.4f}  lr {schedule.get_last_lr()[0]:.2e}")
+        val_loss = None
+        if step == start or step % args.eval_every == 0:
+            val_loss = run.val_losses[step] = evaluate(model, jm, val, args, device)
+        t0 = time.perf_counter()
+        windows = train_windows(corpus, args.global_batch, args.seq, args.seed, step)
+        run.losses[step], norm = train_step(model, jm, opt, schedule, windows, args, device)
+        run.seconds[step] = time.perf_counter() - t0
+        if step == start:  # its evaluation and training step compiled the model
+            run.first_step_seconds = time.perf_counter() - began
+            run.flops_per_rank_step = args.accumulate * model_flops(thunder.last_traces(jm)[-1])
+        window.add(run.seconds[step], run.tokens_per_step, run.flops_per_rank_step)
+        if val_loss is not None or step % args.log_every == 0 or step == args.steps - 1:
+            say(progress_line(step, run.losses[step], val_loss, norm, schedule.get_last_lr()[0], window, peak))
+            window = Window()
         if args.checkpoint_dir and (step + 1) % args.save_every == 0:
-            extra = {"schedule": schedule.state_dict(), "world_size": world}
-            path = save_checkpoint(args.checkpoint_dir, jm, opt, step=step + 1, extra=extra, keep=2)
-            say(f"saved {path}")
-    return losses
+            extra = {"schedule": schedule.state_dict(), "world_size": world, "batches": _batch_contract(args)}
+            say(f"saved {save_checkpoint(args.checkpoint_dir, jm, opt, step=step + 1, extra=extra, keep=2)}")
+    if run.losses:
+        run.val_losses[args.steps] = evaluate(model, jm, val, args, device)
+        say(f"step {args.steps:4d}  val {run.val_losses[args.steps]:.4f}  (after the last step)")
+    say("\n".join(summary_lines(run, peak)))
+    return run
 
 
 def main(argv=None):

@@ -1,13 +1,15 @@
 """A Hugging Face causal language model from its config alone, on the meta device: no weights, no network.
 
-``hf_causal_lm(path, device="meta", *, layers=None, batch=None, seq=None) -> (module, kwargs)``, what
+``hf_causal_lm(path, device="meta", *, layers=None, batch=None, seq=None, vocab=None) -> (module, kwargs)``, what
 ``python -m fsdp_pass explain --model hf:<path>`` dry-runs:
 
 1. ``path`` is a ``config.json`` or a folder holding one (a model's folder as Hugging Face saves it; the
    weights, if there, are not read). It is read with ``AutoConfig.from_pretrained(local_files_only=True)``:
    a path that is not there is an error here, never a download.
 2. ``use_cache=False``: a training step keeps no KV cache (and Thunder traces the step without one).
-   ``layers`` overrides ``num_hidden_layers``.
+   ``layers`` overrides ``num_hidden_layers``; ``vocab`` overrides ``vocab_size`` (the training loop's byte
+   vocabulary), and the special tokens (pad, bos, eos) whose ids do not fit in it are dropped: the model is fed
+   no token but those of the vocabulary, and an embedding's padding row must lie inside it.
 3. ``AutoModelForCausalLM.from_config`` under ``torch.device(device)``: float32 parameters, the master
    weights a training run keeps (``--param-dtype bfloat16`` for mixed precision), whatever the config's
    ``torch_dtype`` says about the published weights.
@@ -27,14 +29,17 @@ from fsdp_pass.errors import check, fail
 MAX_DEFAULT_SEQ = 4096  # the default sequence is the model's context, up to this
 SEQ_WITHOUT_CONTEXT = 2048  # when the config names no max_position_embeddings
 CONFIG_FILE = "config.json"
+SPECIAL_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 
-def hf_causal_lm(path: str | Path, device="meta", *, layers=None, batch=None, seq=None):
+def hf_causal_lm(path: str | Path, device="meta", *, layers=None, batch=None, seq=None, vocab=None):
     """``(module, kwargs)``: the causal LM of the config at ``path`` built on ``device``, and its inputs."""
     config = _read_config(_config_file(path))
     config.use_cache = False
     if layers is not None:
         _set_layers(config, layers, path)
+    if vocab is not None:
+        _set_vocab(config, vocab)
     module = _build(config, device, path)
     return module, example_inputs(config, device, batch or 1, seq or default_seq(config))
 
@@ -93,6 +98,13 @@ def _set_layers(config, layers: int, path) -> None:
         "Leave out --layers, or edit the number of layers in a copy of the config.",
     )
     config.num_hidden_layers = layers
+
+
+def _set_vocab(config, vocab: int) -> None:
+    config.vocab_size = vocab
+    for name in SPECIAL_TOKEN_IDS:
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) >= vocab:
+            setattr(config, name, None)
 
 
 def _build(config, device, path):

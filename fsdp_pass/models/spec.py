@@ -1,15 +1,16 @@
 """What ``python -m fsdp_pass explain --model SPEC`` names: a model and one rank's example inputs, on meta.
 
-``build_model(spec, device="meta", *, layers=None, seq=None, batch=None) -> ExampleModel``; ``spec`` is
+``build_model(spec, device="meta", *, layers=None, seq=None, batch=None, vocab=None) -> ExampleModel``; ``spec``
+(of the kind ``spec_kind(spec)`` names: ``"builtin"``, ``"hf"`` or ``"factory"``) is
 
 - a built-in config of :data:`fsdp_pass.models.zoo.CONFIGS` (``tiny``, ``bench``, ``llama2-7b``, ...): the zoo's
-  Llama-style model with its loss inside; ``layers``, ``seq``, ``batch`` override the config;
+  Llama-style model with its loss inside; ``layers``, ``seq``, ``batch``, ``vocab`` override the config;
 - ``hf:<config.json or folder>``: a Hugging Face causal LM built from its config alone
-  (:mod:`fsdp_pass.models.hf_config`); ``layers``, ``seq``, ``batch`` apply too;
+  (:mod:`fsdp_pass.models.hf_config`); ``layers``, ``seq``, ``batch``, ``vocab`` apply too;
 - ``package.module:factory``: a function of no arguments, called under ``torch.device(device)``, returning
   the module and its inputs in one of three forms: ``(module, args)``, ``(module, kwargs)`` with ``kwargs``
   a dict of keyword inputs, or ``(module, args, kwargs)``. It builds its own inputs, so ``layers``,
-  ``seq``, ``batch`` are refused.
+  ``seq``, ``batch``, ``vocab`` are refused.
 """
 
 from __future__ import annotations
@@ -42,13 +43,21 @@ class ExampleModel:
         return ", ".join((f"{name}=" if name else "") + _describe(value) for name, value in named)
 
 
-def build_model(spec: str, device="meta", *, layers=None, seq=None, batch=None) -> ExampleModel:
-    """The model ``spec`` names (see the module's docstring), built on ``device``, with its example inputs."""
+def spec_kind(spec: str) -> str:
+    """``"hf"`` (``hf:<config>``), ``"factory"`` (``package.module:factory``) or ``"builtin"`` (a zoo config's name)."""
     if spec.startswith(HF_PREFIX):
-        module, kwargs = hf_causal_lm(spec[len(HF_PREFIX) :], device, layers=layers, batch=batch, seq=seq)
+        return "hf"
+    return "factory" if ":" in spec else "builtin"
+
+
+def build_model(spec: str, device="meta", *, layers=None, seq=None, batch=None, vocab=None) -> ExampleModel:
+    """The model ``spec`` names (see the module's docstring), built on ``device``, with its example inputs."""
+    kind = spec_kind(spec)
+    if kind == "hf":
+        module, kwargs = hf_causal_lm(spec[len(HF_PREFIX) :], device, layers=layers, batch=batch, seq=seq, vocab=vocab)
         return ExampleModel(module, (), kwargs)
-    if ":" in spec:
-        _refuse_overrides(spec, layers=layers, seq=seq, batch=batch)
+    if kind == "factory":
+        _refuse_overrides(spec, layers=layers, seq=seq, batch=batch, vocab=vocab)
         return _from_factory(spec, device)
     check(
         spec in zoo.CONFIGS,
@@ -56,7 +65,7 @@ def build_model(spec: str, device="meta", *, layers=None, seq=None, batch=None) 
         f"Name one of {sorted(zoo.CONFIGS)}, give hf:<config.json or folder> (a Hugging Face config), or "
         f"'package.module:factory' (a function returning {FACTORY_FORMS}).",
     )
-    module, args = zoo.build(spec, device, n_layer=layers, seq=seq, local_batch=batch)
+    module, args = zoo.build(spec, device, n_layer=layers, seq=seq, local_batch=batch, vocab=vocab)
     return ExampleModel(module, args)
 
 
