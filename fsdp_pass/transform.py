@@ -85,8 +85,10 @@ class FSDP(Transform):
             unit), or a function ``Unit -> bool``. The recomputation reads the gather the backward
             does anyway: no extra collective.
         mixed_precision: None (no casts), a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, or a
-            dtype (gather and compute in it, reduce in float32). The shards stay in their dtype: the
-            optimizer steps on them as master weights.
+            dtype (gather and compute in it, reduce in float32), with FSDP2's semantics: the module is traced
+            with its parameters in ``param_dtype`` and its floating inputs cast to it, its own casts as written,
+            its buffers as defined. The shards stay in their dtype: the optimizer steps on them as master
+            weights. float16 wants :class:`fsdp_pass.GradScaler`.
         offload_to: None, or the device the shards, their gradients (and so the optimizer state) live
             on between uses, e.g. ``"cpu"``: each unit's shards are copied to ``device`` right before
             its all-gather and its gradient shard is copied back after its reduce-scatter.
