@@ -17,6 +17,8 @@ from step 8. A run:
    is cut into one slice per rank, and each slice into ``--accumulate`` micro-batches. All but the last run
    under ``no_sync`` (gradients summed locally, no reduce-scatter); the last one reduce-scatters the sum.
    ``fsdp_pass.clip_grad_norm_`` clips by the whole model's gradient norm; the optimizer and schedule step.
+   With ``--param-dtype float16``, ``fsdp_pass.GradScaler`` scales the loss, and a step whose gradients
+   overflowed on any rank is skipped on every rank.
 4. At the run's first step, every ``--eval-every`` steps and after the last, the held-out loss of the
    parameters (the same windows each time, through the training step's forward: no second compile).
 5. A progress line every ``--log-every`` steps (:mod:`fsdp_pass.train.progress`: loss, val loss, tokens/s,
@@ -47,6 +49,7 @@ from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.train.byte_model import byte_model
 from fsdp_pass.train.distributed_checkpoint import load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import clip_grad_norm_
+from fsdp_pass.train.grad_scaler import GradScaler
 from fsdp_pass.train.progress import LoopRun, Window, progress_line, summary_lines
 from fsdp_pass.train.text_data import load_corpus, rank_slice, train_windows, val_windows
 from fsdp_pass.train.throughput import model_flops, peak_flops
@@ -139,22 +142,30 @@ def evaluate(model, jm, val: torch.Tensor, args, device) -> float:
     return _mean_over_ranks(total, world)
 
 
-def train_step(model, jm, opt, schedule, windows: torch.Tensor, args, device) -> tuple[float, float]:
+def train_step(model, jm, opt, schedule, scaler, windows: torch.Tensor, args, device) -> tuple[float, float, bool]:
     """One optimizer step on this rank's slice of ``windows`` (item 3 of the module's docstring): the loss
-    averaged over ranks, and the global gradient norm before clipping."""
+    averaged over ranks, the global gradient norm before clipping, and whether the step was skipped.
+    ``scaler`` (``fsdp_pass.GradScaler``, enabled for float16 only) scales each micro-batch's loss and unscales
+    the gradients before clipping; a step whose gradients overflowed on any rank's shard is skipped on every
+    rank (the scaler backs off), and the schedule waits for the next step that is taken."""
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = _micro_batches(windows, rank, world, args.accumulate, device)
     total = torch.zeros((), device=device)
     for i, xm in enumerate(micro):
         with contextlib.nullcontext() if i == len(micro) - 1 else no_sync(jm):
             loss = model.loss(jm, xm) / len(micro)
-            loss.backward()
+            scaler.scale(loss).backward()
         total += loss.detach().float()
+    scaler.unscale_(opt)
     norm = clip_grad_norm_(jm, args.max_norm)
-    opt.step()
-    schedule.step()
+    scale = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    skipped = scaler.get_scale() < scale
+    if not skipped:
+        schedule.step()
     opt.zero_grad()
-    return _mean_over_ranks(total, world), float(norm)
+    return _mean_over_ranks(total, world), float(norm), skipped
 
 
 def _precision(args):
@@ -185,6 +196,7 @@ def run_training(args, say=print) -> LoopRun:
     jm = thunder.jit(model.module, transforms=[fsdp], executors=executors_for(device))
     opt = torch.optim.AdamW(jm.parameters(), lr=args.lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_constant(args.warmup))
+    scaler = GradScaler(jm, enabled=DTYPES[args.param_dtype] == torch.float16)
     say(f"model {args.model}: {model.parameters():,} parameters, byte vocabulary; {args.strategy}, "
         f"{args.param_dtype}{', activation checkpointing' if args.checkpoint_activations else ''}; "
         f"world size {world} ({dist.get_backend()}, {device.type})")
@@ -195,6 +207,8 @@ def run_training(args, say=print) -> LoopRun:
     if resumed is not None:
         _check_same_batches(resumed.extra.get("batches"), args, resumed.path)
         schedule.load_state_dict(resumed.extra["schedule"])
+        if scaler.is_enabled() and resumed.extra.get("scaler"):
+            scaler.load_state_dict(resumed.extra["scaler"])
         start = resumed.step
         ranks = f"{world} rank{'s' if world > 1 else ''}"
         say(f"resumed from {resumed.path} (saved by {resumed.extra['world_size']} ranks) at step {start}, on {ranks}")
@@ -208,8 +222,11 @@ def run_training(args, say=print) -> LoopRun:
             val_loss = run.val_losses[step] = evaluate(model, jm, val, args, device)
         t0 = time.perf_counter()
         windows = train_windows(corpus, args.global_batch, args.seq, args.seed, step)
-        run.losses[step], norm = train_step(model, jm, opt, schedule, windows, args, device)
+        run.losses[step], norm, skipped = train_step(model, jm, opt, schedule, scaler, windows, args, device)
         run.seconds[step] = time.perf_counter() - t0
+        if scaler.is_enabled():
+            run.loss_scale = scaler.get_scale()
+            run.skipped_steps += [step] if skipped else []
         if step == start:  # its evaluation and training step compiled the model
             run.first_step_seconds = time.perf_counter() - began
             run.flops_per_rank_step = args.accumulate * model_flops(thunder.last_traces(jm)[-1])
@@ -218,7 +235,8 @@ def run_training(args, say=print) -> LoopRun:
             say(progress_line(step, run.losses[step], val_loss, norm, schedule.get_last_lr()[0], window, peak))
             window = Window()
         if args.checkpoint_dir and (step + 1) % args.save_every == 0:
-            extra = {"schedule": schedule.state_dict(), "world_size": world, "batches": _batch_contract(args)}
+            extra = {"schedule": schedule.state_dict(), "scaler": scaler.state_dict(), "world_size": world,
+                     "batches": _batch_contract(args)}
             say(f"saved {save_checkpoint(args.checkpoint_dir, jm, opt, step=step + 1, extra=extra, keep=2)}")
     if run.losses:
         run.val_losses[args.steps] = evaluate(model, jm, val, args, device)

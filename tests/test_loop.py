@@ -122,7 +122,7 @@ TINY = ["--model", "tiny", "--layers", "1", "--seq", "64", "--global-batch", "8"
 @pytest.fixture(scope="module")
 def runs(ranks, tmp_path_factory):
     """A 2-rank run of 6 steps on a 48 KB text sample (a checkpoint at step 4), the same resumed on 1 rank
-    (evaluating every step), and a resume with another seed."""
+    (evaluating every step), a resume with another seed, and 6 steps in float16 on 1 rank."""
     folder = tmp_path_factory.mktemp("loop")
     sample = b"".join(f.read_bytes() for f in default_corpus_files()[:8])[:48_000]
     (folder / "sample.txt").write_bytes(sample)
@@ -130,11 +130,12 @@ def runs(ranks, tmp_path_factory):
     uninterrupted = ranks(2).run(loop_cases.run_loop, [*common, *STEPS])
     resumed = ranks(1).run(loop_cases.run_loop, [*common, *STEPS[:4], "--eval-every", "1"])[0]
     other_seed = ranks(1).run(loop_cases.run_loop, [*common, *STEPS, "--seed", "1"])[0]
-    return uninterrupted, resumed, other_seed
+    float16 = ranks(1).run(loop_cases.run_loop, [*common[:-2], "--steps", "6", "--param-dtype", "float16"])[0]
+    return uninterrupted, resumed, other_seed, float16
 
 
 def test_the_loop_learns_a_text_sample_on_two_ranks(runs):
-    (r0, r1), _, _ = runs
+    (r0, r1), *_ = runs
     run = r0["run"]
     assert run.losses == r1["run"].losses and run.val_losses == r1["run"].val_losses  # averaged over ranks
     assert sorted(run.losses) == list(range(6)) and sorted(run.val_losses) == [0, 2, 4, 6]
@@ -161,7 +162,7 @@ def test_the_steps_model_flops_are_its_matmuls_counted_in_the_trace(runs):
 
 
 def test_resumed_on_one_rank_it_goes_on_with_the_two_ranks_losses(runs):
-    (r0, _), resumed, _ = runs
+    (r0, _), resumed, *_ = runs
     before, after = r0["run"], resumed["run"]
     assert any("resumed from" in line and "saved by 2 ranks" in line for line in resumed["lines"]), resumed["lines"]
     assert sorted(after.losses) == [4, 5] and sorted(after.val_losses) == [4, 5, 6]
@@ -174,3 +175,12 @@ def test_resumed_on_one_rank_it_goes_on_with_the_two_ranks_losses(runs):
 def test_resuming_with_other_batches_is_refused(runs):
     error = runs[2]["error"]
     assert error is not None and "seed 0 then, 1 now" in error and "What to do" in error, error
+
+
+def test_float16_scales_the_loss_and_skips_the_steps_that_overflow(runs):
+    """fsdp_pass.GradScaler from 2**16: each skipped step halves the scale (no growth in 6 steps); the rest learn."""
+    r = runs[3]
+    run = r["run"]
+    assert run.loss_scale == 2.0**16 / 2 ** len(run.skipped_steps), (run.loss_scale, run.skipped_steps)
+    assert len(run.skipped_steps) < 6 and run.val_losses[6] < run.val_losses[0] - 0.1, run.val_losses
+    assert "\n  float16    loss scale" in "\n".join(r["lines"]), r["lines"]

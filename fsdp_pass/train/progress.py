@@ -6,7 +6,8 @@
    0.41  lr 3.0e-03  21,345 tok/s  96.0 ms/step  MFU 31.2%``; no ``val`` where none was measured, no MFU
    without a peak (the CPU).
 3. ``summary_lines(run, peak)``: the train loss first -> last, the validation loss first -> last, the tokens
-   trained on, the speed after the first step (it and its evaluation compile), the MFU.
+   trained on, the speed after the first step (it and its evaluation compile), the MFU; with float16, the loss
+   scale and the steps skipped for gradients that overflowed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class LoopRun:
     first_step_seconds: float = 0.0  # the first step with its evaluation: the compiles happen in it
     tokens_per_step: int = 0  # over every rank
     flops_per_rank_step: float = 0.0  # model FLOPs of one step on one rank (throughput.model_flops)
+    loss_scale: float | None = None  # float16: the GradScaler's scale after the last step
+    skipped_steps: list[int] = field(default_factory=list)  # float16: steps whose gradients overflowed
 
 
 def progress_line(step: int, loss: float, val: float | None, norm: float, lr: float, window: Window,
@@ -90,4 +93,8 @@ def summary_lines(run: LoopRun, peak: float | None) -> list[str]:
                          f"({run.flops_per_rank_step / 1e9:,.2f} GFLOP per rank per step)")
     else:
         lines.append(f"  speed      {compile_note}")
+    if run.loss_scale is not None:
+        skipped = len(run.skipped_steps)
+        lines.append(f"  float16    loss scale {run.loss_scale:g} after the last step; {skipped} step{'s' if skipped != 1 else ''} "
+                     f"skipped (inf/NaN gradients){': ' + str(run.skipped_steps) if skipped else ''}")
     return lines
