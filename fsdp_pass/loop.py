@@ -88,7 +88,8 @@ def arguments(argv=None):
     train.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest checkpoint")
     train.add_argument("--save-every", type=int, default=4)
     args = parser.parse_args(argv)
-    for name in ("steps", "seq", "global_batch", "accumulate", "eval_every", "eval_batches", "log_every", "save_every"):
+    for name in ("steps", "seq", "global_batch", "accumulate", "warmup", "eval_every", "eval_batches", "log_every",
+                 "save_every"):
         check(getattr(args, name) >= 1, f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1.",
               f"Pass --{name.replace('_', '-')} 1 or more.")
     return args

@@ -184,3 +184,11 @@ def test_float16_scales_the_loss_and_skips_the_steps_that_overflow(runs):
     assert run.loss_scale == 2.0**16 / 2 ** len(run.skipped_steps), (run.loss_scale, run.skipped_steps)
     assert len(run.skipped_steps) < 6 and run.val_losses[6] < run.val_losses[0] - 0.1, run.val_losses
     assert "\n  float16    loss scale" in "\n".join(r["lines"]), r["lines"]
+
+
+def test_counts_below_one_are_refused_before_anything_runs():
+    from fsdp_pass import loop
+
+    with pytest.raises(FSDPError, match="--warmup 0: must be at least 1"):
+        loop.arguments(["--warmup", "0"])
+    assert loop.arguments([]).model == "bench"
