@@ -40,6 +40,9 @@ UNPACK_GATHERED = "fsdp_pass.unpack_gathered"
 PACK_GRADS = "fsdp_pass.pack_grads"
 UNPACK_GRAD_SHARD = "fsdp_pass.unpack_grad_shard"
 CHECK_SAME_COLLECTIVES = "fsdp_pass.check_same_collectives"
+CLEAR_FINITE_FLAGS = "fsdp_pass.clear_finite_flags"
+CHECK_FINITE = "fsdp_pass.check_finite"
+RAISE_IF_NONFINITE = "fsdp_pass.raise_if_nonfinite"
 
 # what fsdp_comm names the ops it runs (as printed in the execution traces)
 ALL_GATHER_OP = "fsdp_all_gather"

@@ -2,6 +2,9 @@
 
 Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forward`
 
+  0. inputs    an integer input the step uses where torch takes int64 only is an FSDPError naming it, before
+               anything is compiled (:func:`~fsdp_pass.shard.index_inputs.check_index_inputs`; the inputs' devices
+               and the failures of tracing are checked where the call enters, :mod:`fsdp_pass.shard.input_checks`);
   1. plan      which parameters are gathered together, which units reshard after forward, which are
                checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
                auto planner chooses the units, their resharding and the prefetch depth first
@@ -23,7 +26,10 @@ After lowering, on the final forward and on the final backward trace: :func:`fin
   5. schedule  prefetched gathers, late waits, early reduce-scatters
                (:func:`~fsdp_pass.passes.schedule_collectives.schedule_collectives`);
   6. verify    no buffer used while its collective is in flight; the forward starts with a check that every
-               rank runs a step with the same collectives, at every step (:mod:`fsdp_pass.verify`);
+               rank runs a step with the same collectives, at every step (:mod:`fsdp_pass.verify`); with
+               ``FSDP(check_finite=True)`` each unit's parameters, output and gradients are checked for NaN/inf
+               and the backward ends with every rank's verdict
+               (:func:`~fsdp_pass.passes.insert_finite_checks.insert_finite_checks`);
   7. label     every collective and the ops around it named with its unit and bytes
                (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
 
@@ -40,6 +46,7 @@ from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
+from fsdp_pass.passes.insert_finite_checks import insert_finite_checks
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
@@ -51,6 +58,7 @@ from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.shard.groups import has_peers
+from fsdp_pass.shard.index_inputs import check_index_inputs
 from fsdp_pass.shard.module import ShardedModel
 from fsdp_pass.shard.prologue import shard_prologue
 from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
@@ -61,14 +69,16 @@ from fsdp_pass.verify.same_collectives_on_all_ranks import (
 
 
 def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOptions, grad_sync=(REDUCE, None),
-                    executors=()):
+                    executors=(), argument_names: tuple[str, ...] = ()):
     """Stages 1-3 on Thunder's prologue and functional forward trace: ``(prologue, computation, plan, options)``,
     the last the options the plan was made with (the auto plan's, under ``FSDP("auto")``; else ``options``).
 
     ``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode of :mod:`fsdp_pass.ops.grad_accumulation`
     this compile is for (``accumulators`` None: no ``no_sync`` check in the prologue); ``executors``: Thunder's
-    executor list for this compile (the step summary reads which attentions run fused).
+    executor list for this compile (the step summary reads which attentions run fused); ``argument_names``: the
+    forward's positional parameter names (for the errors of stage 0).
     """
+    check_index_inputs(prologue, computation, argument_names)
     param_of_arg = parameter_names_of_args(prologue, computation)
     summary = step_summary(computation, param_of_arg, model, options, executors)
     auto = None
@@ -108,6 +118,8 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         unit_of = {name: unit.name for name, (unit, _) in found.items()}
         trace = schedule_collectives(trace, options.schedule, kept, unit_of)
     check_collective_lifetimes(trace)
+    if options.check_finite and step_key is not None:
+        trace = insert_finite_checks(trace, phase, plan, group, step_key)
     if options.verify_ranks and step_key is not None and has_peers(group):
         record_step_collectives(step_key, group, phase, trace, found)
         if phase == "forward":
@@ -119,7 +131,7 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
 def reschedule(step: CompiledStep, schedule: Schedule | int | None) -> CompiledStep:
     """Stages 5-7 again on ``step``'s lowered traces, with another ``schedule``: the step that compiling with
     ``FSDP(..., schedule=schedule)`` gives (stages 1-4 do not read the schedule), without compiling. Nothing
-    runs and no other rank is asked: the cross-rank check is left out."""
+    runs and no other rank is asked: the cross-rank check and the finite checks are left out."""
     options = replace(step.options, schedule=resolve_schedule(schedule), verify_ranks=False)
     out = CompiledStep(step.plan, options)
     for phase in PHASES:

@@ -17,11 +17,14 @@ from fsdp_pass.op_names import (
     ADD_ACCUMULATED_OP,
     ALL_GATHER_OP,
     ALL_REDUCE_OP,
+    CHECK_FINITE,
     CHECK_SAME_COLLECTIVES,
+    CLEAR_FINITE_FLAGS,
     PACK_GRADS,
     PACK_GRADS_OP,
     PACK_SHARDS,
     PACK_SHARDS_OP,
+    RAISE_IF_NONFINITE,
     REDUCE_SCATTER_OP,
     TORCH_ALL_GATHER_OP,
     TORCH_ALL_REDUCE_OP,
@@ -185,6 +188,11 @@ def is_input_unpacking(bsym) -> bool:
 def is_step_check(bsym) -> bool:
     """``check_same_collectives``: the per-step check that every rank issues the same collectives."""
     return _id(bsym) == CHECK_SAME_COLLECTIVES
+
+
+def is_finite_check(bsym) -> bool:
+    """One of ``FSDP(check_finite=True)``'s ops: clear the step's flags, check tensors, or decide at the end."""
+    return _id(bsym) in (CLEAR_FINITE_FLAGS, CHECK_FINITE, RAISE_IF_NONFINITE)
 
 
 def is_bookkeeping(bsym) -> bool:

@@ -38,8 +38,9 @@ from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
-from fsdp_pass.shard.forward_inputs import cast_floating_inputs_on_call
+from fsdp_pass.shard.forward_inputs import check_and_cast_inputs_on_call
 from fsdp_pass.shard.global_view import gather_full
+from fsdp_pass.shard.input_checks import positional_names
 from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
 from fsdp_pass.shard.original import remember_shards, restore_from_shards
 from fsdp_pass.shard.requires_grad import follow_requires_grad
@@ -100,6 +101,10 @@ class FSDP(Transform):
         timeout: seconds (or a ``timedelta``) a collective helper (``full_state_dict``, ``get_state_dict``,
             ``save_checkpoint``, ...) waits for every rank to call it before raising an FSDPError that names
             the ranks that did not; default 10 minutes.
+        check_finite: check each unit's parameters (this rank's shard), outputs and gradients (before and after
+            the reduce-scatter) for NaN and inf inside the step; a step that produced one raises, at the end of
+            its backward, the same FSDPError on every rank naming the first unit in execution order, what was
+            not finite and the rank (:mod:`fsdp_pass.ops.finite_checks`). False (default): no op in the traces.
     """
 
     def __init__(
@@ -121,6 +126,7 @@ class FSDP(Transform):
         timeout=DEFAULT_TIMEOUT,
         memory_budget=None,
         cost=None,
+        check_finite: bool = False,
     ):
         self.options = FSDPOptions.resolve(
             strategy,
@@ -134,6 +140,7 @@ class FSDP(Transform):
             timeout=timeout,
             memory_budget=memory_budget,
             cost=cost,
+            check_finite=check_finite,
         )
         self.process_group = process_group
         self.mesh = mesh
@@ -146,6 +153,7 @@ class FSDP(Transform):
         self.accumulators = GradAccumulators()  # what no_sync() accumulates for this transform's model
         self.model: ShardedModel | None = None  # set once the module is sharded
         self.compiled_step: CompiledStep | None = None  # the latest compile
+        self.argument_names: tuple[str, ...] = ()  # the module's positional forward parameters
 
     def __repr__(self) -> str:
         if self.options.auto is not None:
@@ -191,7 +199,8 @@ class FSDP(Transform):
             self.options.offload_to,
             self.options.mixed_precision,
         )
-        cast_floating_inputs_on_call(model, self.options.mixed_precision)
+        check_and_cast_inputs_on_call(model, self)
+        self.argument_names = positional_names(model._model)  # for the errors that name an input
         if self.options.auto is not None:  # every rank plans from rank 0's cost inputs and budget
             settings = agreed_settings(self.options.auto, self.model.device, groups.everyone)
             self.options = replace(self.options, auto=settings)
@@ -203,7 +212,8 @@ class FSDP(Transform):
     def transform_traces_pre_prologue(self, prologue_trace, computation_trace, epilogue_trace, **kwargs):
         grad_sync = (self.accumulators.mode(), self.accumulators)
         prologue_trace, computation_trace, plan, options = rewrite_forward(
-            prologue_trace, computation_trace, self.model, self.options, grad_sync, kwargs.get("executors_list", ())
+            prologue_trace, computation_trace, self.model, self.options, grad_sync, kwargs.get("executors_list", ()),
+            self.argument_names,
         )
         self.compiled_step = CompiledStep(plan, options)
         return prologue_trace, computation_trace, epilogue_trace

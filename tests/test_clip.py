@@ -52,8 +52,12 @@ def test_nonfinite_gradients_are_named_and_misuse_fails_loudly(ranks):
         victim = r["victim"]
         assert [name for _, name in r["nonfinite"]] == [victim], r
         assert [name for _, name in r["nonfinite_inf_norm"]] == [victim], r
-        assert victim in r["table"]
-        assert victim in r["errors"]["nonfinite"] and "grad_norms" in r["errors"]["nonfinite"]
+        unit, error = r["victim_unit"], r["errors"]["nonfinite"]
+        rows = {line.split()[0]: line.split() for line in r["table"].splitlines()[3:]}  # one short line per unit
+        assert rows[unit][3] == "1" and all(row[3] == "-" for name, row in rows.items() if name != unit), r["table"]
+        assert max(map(len, r["table"].splitlines())) < 100, r["table"]
+        assert f"in 1 of {len(rows)} units: {unit!r} (1 of " in error and victim not in error, error  # counts
+        assert "grad_norms" in error and "check_finite=True" in error and len(error) < 700, error
         assert "positive" in r["errors"]["norm_type"]
         assert "no_sync" in r["errors"]["no_sync"]
         assert math.isnan(r["total_without_error"]) and r["after_flush_finite"]

@@ -6,6 +6,9 @@ the fusion regions: in the final forward every all-gather but the first has comp
 its wait, in the backward every collective but the first and the last, and every label names its own unit
 and bytes. The structure comes from dry runs at world size 2 (the traces rank 0 of 2 gloo ranks runs; no
 region is compiled); one real 2-rank gloo run of a small MLP under the same executors trains against one process.
+``FSDP(check_finite=True)``'s checks stay top-level ops beside what they read, labelled with their unit, in a dry
+run of the tests' MLP under the same executors (its own: the checks would sit between issues and waits, and the
+overlap asserted above counts what runs there).
 """
 
 from __future__ import annotations
@@ -19,12 +22,21 @@ from thunder.extend import get_executor
 
 from fsdp_pass import MixedPrecision
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
-from fsdp_pass.predicates import collective_kind, is_collective, is_return, is_unit_op, is_wait, unit_of_op
+from fsdp_pass.ops.finite_checks import OUTPUT, checks_of
+from fsdp_pass.predicates import (
+    collective_kind,
+    is_collective,
+    is_finite_check,
+    is_return,
+    is_unit_op,
+    is_wait,
+    unit_of_op,
+)
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.overlap import overlap_report
 from fsdp_pass.report.text import collective_label
 from fsdp_pass_executors import comm_ex
-from tests import explain_cases, rank_cases
+from tests import explain_cases, models, rank_cases
 
 FUSED = ("fsdp_comm", "torchcompile", "torch")
 WORLD = 2
@@ -111,6 +123,34 @@ def test_every_label_names_its_own_unit_and_bytes(config):
                 assert str(b.header).startswith(f"[fsdp] unit {unit_of_op(b)!r}: "), b
     backward_kinds = {collective_kind(b) for b in run.backward.bound_symbols}
     assert REDUCE_SCATTER in backward_kinds and (ALL_GATHER in backward_kinds) == (CONFIGS[config][0] == "zero3")
+
+
+def test_finite_checks_stay_labelled_beside_what_they_read_under_fusion():
+    executors = [comm_ex if name == "fsdp_comm" else get_executor(name) for name in FUSED]
+    with torch.device("meta"):
+        model = models.MODELS["mlp"]()
+    run = dry_run(model, (models.batch("mlp", 4, 0)[0],), WORLD, "zero3", executors=executors, check_finite=True)
+    checks = checks_of(run.fsdp.compiled_step.key)
+    seen, outputs_of_regions = [], 0
+    for trace in (run.forward, run.backward):
+        bsyms = trace.bound_symbols
+        fused = [s for b in bsyms if b.sym.is_fusion for s in b.subsymbols]
+        assert fused and not any(is_finite_check(s) for s in fused)  # regions exist, the checks outside them
+        for i, b in enumerate(bsyms):
+            if b.sym.name != "check_finite":
+                continue
+            tensors, _, slot = b.args
+            check, before = checks[slot], bsyms[i - 1]
+            seen.append(slot)
+            assert str(b.header).startswith(f"[fsdp] unit {check.unit!r} check finite (flag {slot}): "), b
+            assert [t.name for t in tensors] == [o.name for o in before.flat_proxy_outs]  # read where they are made
+            if check.what is OUTPUT:
+                outputs_of_regions += before.sym.is_fusion
+            else:
+                assert unit_of_op(before) == check.unit
+        assert [b.sym.name for b in bsyms if is_return(b) or is_finite_check(b)][-2:] == (
+            ["check_finite", "python_return"] if trace is run.forward else ["raise_if_nonfinite", "python_return"])
+    assert seen == list(range(len(checks))) and outputs_of_regions == 3  # each unit's output: a fusion region's
 
 
 def test_a_fused_step_trains_like_one_process(ranks):

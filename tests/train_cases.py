@@ -102,7 +102,8 @@ def nonfinite_and_misuse(model_name: str, strategy: str, poisoned_rank: int = 1)
     victim = [s for s in fsdp.sharding.owners() if s.requires_grad][-1]
     if rank == poisoned_rank:
         jm.get_parameter(victim.name).grad.view(-1)[0] = math.nan
-    out = {"victim": victim.name, "errors": {}}
+    unit_of = {name: u.name for u in fsdp.unit_plan.units for name in u.params}
+    out = {"victim": victim.name, "victim_unit": unit_of[victim.name], "errors": {}}
     out["nonfinite"] = fsdp_pass.grad_norms(jm).nonfinite()
     out["nonfinite_inf_norm"] = fsdp_pass.grad_norms(jm, math.inf).nonfinite()
     out["table"] = str(fsdp_pass.grad_norms(jm))

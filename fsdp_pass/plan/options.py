@@ -40,6 +40,17 @@ def checkpoint_predicate(spec) -> Callable[[Unit], bool]:
     return spec
 
 
+def resolve_check_finite(check_finite) -> bool:
+    """``check_finite=``: a bool."""
+    check(
+        isinstance(check_finite, bool),
+        f"check_finite={check_finite!r} is not a bool.",
+        "Pass check_finite=True to check every unit's parameters, outputs and gradients for NaN/inf at every step, "
+        "or leave it out (False: no check, no cost).",
+    )
+    return check_finite
+
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -108,6 +119,7 @@ class FSDPOptions:
     verify_ranks: bool = True  # check at every step that every rank issues the same collectives
     timeout: datetime.timedelta = DEFAULT_TIMEOUT  # how long a collective helper waits for every rank to arrive
     auto: AutoSettings | None = None  # FSDP("auto"): units, resharding, prefetch and offload are planned
+    check_finite: bool = False  # NaN/inf checks per unit in the step's traces (ops.finite_checks)
 
     @classmethod
     def resolve(
@@ -124,6 +136,7 @@ class FSDPOptions:
         timeout=DEFAULT_TIMEOUT,
         memory_budget=None,
         cost=None,
+        check_finite: bool = False,
     ) -> FSDPOptions:
         """The options from what a user passes to ``FSDP(...)``."""
         auto = None
@@ -150,4 +163,5 @@ class FSDPOptions:
             bool(verify_ranks),
             resolve_timeout(timeout),
             auto,
+            resolve_check_finite(check_finite),
         )

@@ -9,18 +9,25 @@ float32, where a cast to float32 was no op at all).
 1. :func:`cast_floating_inputs`: ``(args, kwargs)`` with every floating tensor, at any depth of lists, tuples and
    dicts, cast to the dtype; integer tensors (token ids), masks and everything else unchanged. The casts are
    torch ops, so the inputs' gradients flow back through them, in the inputs' own dtype.
-2. :func:`cast_floating_inputs_on_call`: the jitted module's ``forward`` does step 1 before the compiled step
-   (an instance attribute, as for its state-dict methods: this ThunderModule only). The prologue trace shows
-   the inputs it checks in ``param_dtype``. A dry run and the functional path's trace cast the same way
-   (:func:`inputs_of_step`).
+2. :func:`check_and_cast_inputs_on_call`: the jitted module's ``forward`` (an instance attribute, as for its
+   state-dict methods: this ThunderModule only) is where every call's inputs pass before the compiled step. It
+   checks their devices (:func:`~fsdp_pass.shard.input_checks.check_input_devices`), does step 1 when mixed
+   precision casts (the prologue trace then shows the inputs it checks in ``param_dtype``), calls the compiled
+   step, and when Thunder fails to trace it, names the inputs that explain the failure
+   (:func:`~fsdp_pass.shard.input_checks.explain_trace_failure`). A dry run and the functional path's trace
+   cast the same way (:func:`inputs_of_step`).
 """
 
 from __future__ import annotations
 
+import time
+
+import thunder
 import torch
 from torch.utils._pytree import tree_map
 
 from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.shard.input_checks import check_input_devices, explain_trace_failure, named_tensors, positional_names
 
 
 def cast_floating_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -41,14 +48,43 @@ def inputs_of_step(args: tuple, kwargs: dict, precision: MixedPrecision) -> tupl
     return cast_floating_inputs(args, kwargs, precision.param_dtype)
 
 
-def cast_floating_inputs_on_call(thunder_module, precision: MixedPrecision) -> None:
-    """Step 2: when :func:`inputs_of_step` casts under ``precision``, the jitted module casts on every call."""
-    if precision.param_dtype is None or not precision.cast_forward_inputs:
-        return
+def compute_dtype(sharding, precision: MixedPrecision) -> torch.dtype | None:
+    """The dtype the step computes in: mixed precision's ``param_dtype``, else the one dtype of the model's floating
+    parameters (None when they have several)."""
+    if precision.param_dtype is not None:
+        return precision.param_dtype
+    floating = {spec.dtype for spec in sharding.params if spec.dtype.is_floating_point}
+    return floating.pop() if len(floating) == 1 else None
+
+
+def _tracing_failed(stats, call_started: int) -> bool:
+    """Whether Thunder began tracing during the call that started at ``call_started`` (ns) and never finished."""
+    if stats is None:
+        return False
+    started, stopped = stats.last_trace_tracing_start, stats.last_trace_tracing_stop
+    return started >= call_started and stopped < started
+
+
+def check_and_cast_inputs_on_call(thunder_module, fsdp) -> None:
+    """Step 2: every call of the jitted module checks, casts (when ``fsdp``'s mixed precision does) and explains."""
     compiled_forward = type(thunder_module).forward
+    names = positional_names(thunder_module._model)
 
     def forward(*args, **kwargs):
+        precision = fsdp.options.mixed_precision
+        check_input_devices(named_tensors(args, kwargs, names), fsdp.model.device)
         args, kwargs = inputs_of_step(args, kwargs, precision)
-        return compiled_forward(thunder_module, *args, **kwargs)
+        started = time.perf_counter_ns()
+        try:
+            return compiled_forward(thunder_module, *args, **kwargs)
+        except Exception as e:
+            if not _tracing_failed(thunder.compile_stats(thunder_module), started):
+                raise
+            explained = explain_trace_failure(
+                e, named_tensors(args, kwargs, names), compute_dtype(fsdp.model.sharding, precision)
+            )
+            if explained is None:
+                raise
+            raise explained from e
 
     thunder_module.forward = forward

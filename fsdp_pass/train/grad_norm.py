@@ -1,7 +1,8 @@
 """The gradient norm of a sharded model, clipping by it, and where a NaN or inf came from.
 
 ``clip_grad_norm_(jm, max_norm, norm_type=2.0, error_if_nonfinite=False) -> total norm`` (a 0-d tensor)
-``grad_norms(jm, norm_type=2.0) -> GradNorms`` (the total, per unit and per parameter; prints as a table)
+``grad_norms(jm, norm_type=2.0) -> GradNorms`` (the total, per unit and per parameter; prints one short line per
+unit: its norm, how many of its parameters' gradients are not finite, its largest parameter)
 
 Both are collective: every rank of the FSDP group calls them, after the synchronized backward.
 ``torch.nn.utils.clip_grad_norm_(jm.parameters())`` computes each rank's norm of its own shards: a
@@ -15,7 +16,9 @@ different number on each rank, and not the model's norm.
    a MAX does not carry NaN reliably) gives every rank every parameter's norm.
 3. The total norm is worked out from the vector on every rank alike; clipping scales the gradient shards
    in place by ``min(1, max_norm / (total + 1e-6))`` (:func:`torch.nn.utils.clip_grads_with_norm_`, the rule
-   of ``torch.nn.utils.clip_grad_norm_``).
+   of ``torch.nn.utils.clip_grad_norm_``); with ``error_if_nonfinite=True`` a non-finite total is an
+   FSDPError naming the units it comes from, with counts. Where in the step it first appeared, and on which
+   rank: ``FSDP(..., check_finite=True)`` (:mod:`fsdp_pass.ops.finite_checks`).
 """
 
 from __future__ import annotations
@@ -53,15 +56,28 @@ class GradNorms:
         """(unit, parameter) of every gradient with a NaN or an inf in it."""
         return [(unit, name) for unit, name, norm in self.params if not math.isfinite(norm)]
 
+    def nonfinite_units(self) -> list[tuple[str, int, int]]:
+        """(unit, parameters with a NaN or an inf in their gradient, trainable parameters), per unit that has one,
+        in unit order."""
+        counts: dict[str, list[int]] = {}
+        for unit, _, norm in self.params:
+            bad_and_all = counts.setdefault(unit, [0, 0])
+            bad_and_all[0] += not math.isfinite(norm)
+            bad_and_all[1] += 1
+        return [(unit, bad, total) for unit, (bad, total) in counts.items() if bad]
+
     def __str__(self) -> str:
+        """One line per unit: its norm, its trainable parameters, how many of their gradients are not finite, and
+        its largest parameter's norm (named inside the unit)."""
         rows = []
         for unit, norm in self.units().items():
             mine = [(n, v) for u, n, v in self.params if u == unit]
-            bad = [n for n, v in mine if not math.isfinite(v)]
-            largest = max(mine, key=lambda nv: nv[1] if math.isfinite(nv[1]) else math.inf)
-            rows.append((unit, f"{norm:.6g}", f"{largest[0]} ({largest[1]:.4g})", ", ".join(bad) or "-"))
+            bad = sum(not math.isfinite(v) for _, v in mine)
+            name, largest = max(mine, key=lambda nv: nv[1] if math.isfinite(nv[1]) else math.inf)
+            short = name.removeprefix(unit + ".") if unit != NOT_COMPILED else name
+            rows.append((unit, f"{norm:.6g}", str(len(mine)), str(bad) if bad else "-", f"{short} ({largest:.4g})"))
         head = f"gradient norms (norm_type={self.norm_type:g}): total {self.total:.6g}"
-        return "\n".join([head, *format_table(("unit", "norm", "largest parameter", "non-finite"), rows)])
+        return "\n".join([head, *format_table(("unit", "norm", "params", "non-finite", "largest"), rows)])
 
 
 def _combine(norms: list[float], p: float) -> float:
@@ -139,6 +155,20 @@ def grad_norms(jm, norm_type: float = 2.0) -> GradNorms:
     return _measured(jm, norm_type)[2]
 
 
+def nonfinite_summary(norms: GradNorms, most: int = 4) -> str:
+    """The units whose gradients are not finite, with counts (the first ``most`` of them named)."""
+    units = norms.nonfinite_units()
+    named = ", ".join(f"{unit!r} ({bad} of its {total} parameters)" for unit, bad, total in units[:most])
+    more = f" and {len(units) - most} more" if len(units) > most else ""
+    if not units:
+        return (f"The total gradient norm (norm_type={norms.norm_type:g}) is {norms.total}, though every parameter's "
+                "norm is finite: their sum overflows.")
+    return (
+        f"The total gradient norm (norm_type={norms.norm_type:g}) is {norms.total}: non-finite gradients in "
+        f"{len(units)} of {len(norms.units())} units: {named}{more}."
+    )
+
+
 def clip_grad_norm_(jm, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the gradients of a model jitted with ``FSDP`` by their norm over the whole model; returns that norm.
 
@@ -147,14 +177,12 @@ def clip_grad_norm_(jm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     """
     fsdp, params, norms = _measured(jm, norm_type)
     if error_if_nonfinite and not math.isfinite(norms.total):
-        bad = [f"{name} (unit {unit!r})" for unit, name in norms.nonfinite()]
-        fail(
-            f"The total gradient norm (norm_type={norms.norm_type:g}) is {norms.total}: non-finite gradients in "
-            f"{', '.join(bad)}.",
-            "Find where they come from with print(fsdp_pass.grad_norms(model)) after the backward (lower the "
-            "learning rate, check the inputs, use a loss scaler with float16), or pass error_if_nonfinite=False "
-            "to scale them anyway.",
-        )
+        fail(nonfinite_summary(norms), (
+            "Find where they come from: FSDP(..., check_finite=True) names the first unit and rank that made a NaN "
+            "or an inf in the step, print(fsdp_pass.grad_norms(model)) shows each unit's norm (lower the learning "
+            "rate, check the inputs, use a loss scaler with float16), or pass error_if_nonfinite=False to scale "
+            "them anyway."
+        ))
     with_grads = [param for param in params if param.grad is not None]
     first = with_grads[0].grad if with_grads else None
     total = torch.tensor(norms.total, dtype=first.dtype if first is not None else torch.float32,
