@@ -1,6 +1,8 @@
 """Benchmark on one GPU: ms/step and peak memory of each system training the same Llama-style model.
 
     python -m bench.gpu --device cuda --world 1 [--layers 8 --d 2048 --seq 2048 --batch 2] [--dtype bfloat16]
+    python -m bench.gpu --device cuda --world 1 --model hf:bench/configs/llama-1b --recipe \
+        --only "fsdp2,fsdp2+compile,ours zero3,ours zero2"   # the users' recipe: HF Llama 1.1 B, bf16, fp32 reduce
     python -m bench.gpu --device cuda --world 2 --layers 4 --d 1024 --seq 1024     # gloo, two ranks, one GPU
     python -m bench.gpu --device cpu --world 2 --layers 2 --d 64 --seq 32 --vocab 256 # the same code path on CPU
     python -m bench.gpu --device cuda --world 1 --only "ours zero3,ours zero2,ours auto,ours auto probed"
@@ -9,7 +11,20 @@
 
 World 1 runs one process on NCCL. World 2 runs two processes on the same GPU joined by gloo with CUDA
 tensors: gloo copies each collective through the host, so its times say little about speed; the
-memory, the collectives and the losses hold. Systems (``--only`` picks some, comma-separated):
+memory, the collectives and the losses hold.
+
+The model (:mod:`bench.workload`): ``--model zoo`` (the default), the zoo's Llama-style LM shaped by ``--layers
+--d --heads --hidden --vocab``; or ``--model hf:<config.json or folder>``, a Hugging Face causal LM built from its
+config (``use_cache=False``, fed ``input_ids`` and ``labels``, returning its loss; ``--layers`` and ``--vocab``
+override the config's), its decoder layers (``model.model.layers``) FSDP2's units. Either is built on the device
+from seed 0 in float32. The dtype policy (:mod:`bench.precision`): float32; ``--dtype bfloat16``, the whole model
+cast to bfloat16 (no float32 master weights); or ``--recipe``, the users' recipe: float32 master weights,
+bfloat16 compute and a float32 reduce (ours ``MixedPrecision(bfloat16, reduce_dtype=float32)``, FSDP2
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; the rows without FSDP under
+``torch.autocast(bfloat16)``). ``--checkpoint-activations`` recomputes each decoder layer in the backward (ours
+``FSDP(checkpoint_activations=True)``, the others ``checkpoint_wrapper`` on each decoder layer).
+
+Systems (``--only`` picks some, comma-separated):
 
   eager           plain PyTorch (world 2: DDP)
   compile         torch.compile of the model (world 2: DDP)
@@ -38,13 +53,15 @@ On CUDA ``peak GiB`` is ``max_memory_allocated`` over the timed steps (parameter
 state, activations). On CPU, where no allocator keeps a peak, it is one more whole step (forward, backward,
 AdamW) replayed from torch's profiler (``fsdp_pass.report.measure.allocated_during``): the most bytes the
 step allocates above what lives before it, leaving out the process group's own scratch.
-Rank 0 prints one table, ratios against the ``fsdp2`` row, and writes it to ``--out`` if given.
+Rank 0 prints one table, ratios against the ``fsdp2`` row (and each loss's relative difference to its), headed
+by the model, the dtype policy and the command, and writes it to ``--out`` if given.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -58,9 +75,9 @@ from fsdp_pass_executors import comm_ex, describe, executor_choice
 from thunder.extend import get_executor
 
 from bench.kernel_overlap import cuda_kernels, kernel_overlap
-from bench.model import loss_fn, make_batch
-from bench.systems_gpu import SYSTEMS, build_system
-from fsdp_pass.models.zoo import Config, LlamaLM, param_count
+from bench.precision import AUTOCAST_ROWS, RECIPE_NOTE, Precision
+from bench.systems_gpu import SYSTEMS, Setup, build_system
+from bench.workload import ZOO, Workload
 from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.plan.probe import probe
 from fsdp_pass.report.measure import allocated_during
@@ -69,18 +86,29 @@ from fsdp_pass.shard.groups import free_port
 
 
 def parse_args(argv=None):
+    """The options, with ``args.workload`` (the model, built on meta to count it), ``args.precision`` (the dtype
+    policy) and ``args.argv`` (the command line, for the table's header) added."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--world", type=int, default=1, choices=[1, 2])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--d", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--model", default=ZOO, help="zoo (the Llama-style LM below) or hf:<config.json or folder>")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (zoo: 8; hf: the config's)")
+    p.add_argument("--d", type=int, default=None, help="zoo model width (2048)")
+    p.add_argument("--heads", type=int, default=None, help="zoo model heads (16)")
+    p.add_argument("--hidden", type=int, default=None, help="zoo model MLP width (5632)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (zoo: 32000; hf: the config's)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's dtype: bfloat16 casts the whole model (no float32 master weights)")
+    p.add_argument("--recipe", action="store_true",
+                   help="the users' recipe: float32 master weights, bfloat16 compute, float32 reduce (ours "
+                        "MixedPrecision, FSDP2 MixedPrecisionPolicy; eager/compile/thunder under autocast)")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each decoder layer in the backward (ours checkpoint_activations=True, the "
+                        "others checkpoint_wrapper)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--fusion", default="auto", choices=["auto", "torchcompile"],
@@ -91,12 +119,18 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None,
                    help="also write the table to this file, and the explain() and step model of each row of "
                         "ours to OUT.plans.txt")
-    return p.parse_args(argv)
-
-
-def model_config(args) -> Config:
-    return Config(vocab=args.vocab, d=args.d, n_head=args.heads, hidden=args.hidden, n_layer=args.layers,
-                  seq=args.seq, local_batch=args.batch)
+    args = p.parse_args(argv)
+    if args.recipe and args.dtype != "float32":
+        p.error("--recipe keeps float32 master weights and computes in bfloat16; leave out --dtype")
+    try:
+        args.workload = Workload.of(args.model, seq=args.seq, batch=args.batch, float_loss=args.recipe,
+                                    layers=args.layers, d=args.d, heads=args.heads, hidden=args.hidden,
+                                    vocab=args.vocab)
+    except ValueError as e:
+        p.error(str(e))
+    args.precision = Precision.of(args.dtype, args.recipe)
+    args.argv = argv
+    return args
 
 
 def thunder_executors(args, device) -> tuple[list, str]:
@@ -116,7 +150,7 @@ class Costs:
 
     def probed(self):
         if self._probed is None:
-            self._probed = probe(device=self.device, dtype=getattr(torch, self.args.dtype)).cost
+            self._probed = probe(device=self.device, dtype=self.args.precision.compute_dtype).cost
         return self._probed
 
     def for_prices(self):
@@ -134,8 +168,8 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _step(trainer, x, y):
-    loss = loss_fn(trainer.module(x), y)
+def _step(trainer, workload, batch):
+    loss = trainer.loss(workload, batch)
     loss.backward()
     trainer.after_backward()
     trainer.optimizer.step()
@@ -143,7 +177,7 @@ def _step(trainer, x, y):
     return loss.detach()
 
 
-def _profiled_forward_backward(trainer, x, y, device) -> dict:
+def _profiled_forward_backward(trainer, workload, batch, device) -> dict:
     """One forward + backward under the profiler (CUDA) and with the peak reset: kernel overlap, peak."""
     out = {}
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -152,7 +186,7 @@ def _profiled_forward_backward(trainer, x, y, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     with torch.profiler.profile(activities=activities) as prof:
-        loss = loss_fn(trainer.module(x), y)
+        loss = trainer.loss(workload, batch)
         loss.backward()
         trainer.after_backward()
         _sync(device)
@@ -167,47 +201,47 @@ def _profiled_forward_backward(trainer, x, y, device) -> dict:
 
 
 def measure(name: str, args, device, costs: Costs) -> dict:
-    cfg = model_config(args)
-    dtype = getattr(torch, args.dtype)
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaLM(cfg).to(dtype)
-    trainer = build_system(name, model, device, thunder_executors(args, device)[0], costs)
-    batches = [make_batch(s, cfg.local_batch, cfg.seq, rank, cfg.vocab) for s in range(args.warmup + args.steps + 1)]
-    batches = [(x.to(device), y.to(device)) for x, y in batches]
+    workload, precision = args.workload, args.precision
+    model = workload.build(device).to(precision.model_dtype)
+    setup = Setup(precision, args.checkpoint_activations, workload.decoder_layers)
+    trainer = build_system(name, model, device, thunder_executors(args, device)[0], costs, setup)
+    batches = workload.batches(args.warmup + args.steps + 1, dist.get_rank(), device)
     t0 = time.perf_counter()
-    for x, y in batches[: args.warmup]:
-        _step(trainer, x, y)
+    for batch in batches[: args.warmup]:
+        _step(trainer, workload, batch)
     _sync(device)
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, loss = [], None
-    for x, y in batches[args.warmup : args.warmup + args.steps]:
+    for batch in batches[args.warmup : args.warmup + args.steps]:
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        loss = _step(trainer, x, y)
+        loss = _step(trainer, workload, batch)
         _sync(device)
         times.append(time.perf_counter() - t0)
     res = {"name": name, "ms": statistics.median(times) * 1e3, "warmup_s": warmup_s, "loss": float(loss)}
     if device.type == "cuda":
         res["peak"] = torch.cuda.max_memory_allocated(device)
     else:
-        x, y = batches[-1]
-        res["peak"] = allocated_during(lambda: _step(trainer, x, y), device).peak_bytes
-    res.update(_profiled_forward_backward(trainer, *batches[-1], device))
+        res["peak"] = allocated_during(lambda: _step(trainer, workload, batches[-1]), device).peak_bytes
+    res.update(_profiled_forward_backward(trainer, workload, batches[-1], device))
     res.update(trainer.predicted())
     return res
 
 
-def table(results: list[dict], args, n_params: int, costs: str = "-") -> str:
+def _loss_vs(loss: float, ref: dict | None) -> str:
+    """The loss's relative difference to the fsdp2 row's: what says ours and FSDP2 trained the same."""
+    return f"{(loss - ref['loss']) / abs(ref['loss']):+.1e}" if ref and ref["loss"] else "-"
+
+
+def table(results: list[dict], args, costs: str = "-", backend: str = "-") -> str:
     ref = next((r for r in results if r["name"] == "fsdp2" and "ms" in r), None)
     rows = []
     for r in results:
-        if "error" in r:
-            rows.append((r["name"], f"error: {r['error']}", *[""] * 10))
+        if "error" in r:  # the row says so; the message is a note under the table
+            rows.append((r["name"], "error", *[""] * 11))
             continue
         peak = r.get("peak")
         rows.append((
@@ -221,27 +255,38 @@ def table(results: list[dict], args, n_params: int, costs: str = "-") -> str:
             f"{r['model_ms']:.1f}" if "model_ms" in r else "-",
             human_bytes(r["model_peak" if args.device == "cuda" else "model_step_peak"]) if "model_ms" in r else "-",
             f"{100 * r['overlap']:.0f}% of {r['comm_kernels']}" if r.get("overlap") is not None else "-",
-            f"{r['loss']:.4f}",
+            f"{r['loss']:.5f}",
+            _loss_vs(r["loss"], ref),
             f"{r['warmup_s']:.0f}",
         ))
     peak_col = "peak" if args.device == "cuda" else "step peak"
     cols = ("system", "ms/step", "x fsdp2", peak_col, "x fsdp2", "fwd+bwd", "predicted", "model ms",
-            f"model {peak_col}", "comm overlapped", "loss", "warm-up s")
-    head = (f"bench.gpu: {args.device} world {args.world} ({dist.get_backend()}), {args.dtype}, Llama-style "
-            f"{args.layers} layers d {args.d} hidden {args.hidden} vocab {args.vocab}, {n_params / 1e6:.0f} M "
-            f"parameters, {args.batch} x {args.seq} tokens per rank; median of {args.steps} steps after "
-            f"{args.warmup} warm-up; torch {torch.__version__}")
+            f"model {peak_col}", "comm overlapped", "loss", "vs fsdp2", "warm-up s")
+    head = (f"bench.gpu: {args.device} world {args.world} ({backend}); {args.workload.describe()}; "
+            f"{args.batch} x {args.seq} tokens per rank; median of {args.steps} steps after {args.warmup} warm-up; "
+            f"torch {torch.__version__}")
     if args.device == "cuda":
         head += f", {torch.cuda.get_device_name()}"
+    policy = f"dtype policy: {args.precision.describe()}"
+    if args.checkpoint_activations:
+        policy += "; activation checkpointing on each decoder layer"
+    command = f"command: python -m bench.gpu {shlex.join(args.argv)}"
     executors, why = thunder_executors(args, torch.device(args.device))
     notes = [f"Thunder rows: executors {describe(executors)} ({why})"]
+    if args.precision.is_recipe and any(r["name"] in AUTOCAST_ROWS for r in results):
+        notes.append(RECIPE_NOTE)
+    if args.checkpoint_activations:
+        notes.append("checkpointing: ours FSDP(checkpoint_activations=True); the other rows checkpoint_wrapper "
+                     "(torch.utils.checkpoint, non-reentrant) on each decoder layer")
     if args.device == "cpu":
         notes.append("step peak: one whole step's allocations above what lived before it (profiler replay)")
     notes += ["fwd+bwd: forward + backward peak above what lived before it; predicted: explain()'s step peak",
               f"model ms, model {peak_col}: the auto planner's step model on the row's plan (fsdp_pass.predict_step), "
               f"cost inputs: {costs}",
-             "comm overlapped: communication kernel time (NCCL) during which a compute kernel also ran"]
-    return "\n".join([head, *format_table(cols, rows), *notes])
+              "comm overlapped: communication kernel time (NCCL) during which a compute kernel also ran",
+              "loss: rank 0's loss at the last timed step; vs fsdp2: its relative difference to the fsdp2 row's"]
+    errors = [f"{r['name']}: {r['error']}" for r in results if "error" in r]
+    return "\n".join([head, policy, command, *format_table(cols, rows), *errors, *notes])
 
 
 def rank_main(rank: int, world: int, port: int, args) -> None:
@@ -260,7 +305,7 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
             results.append(measure(name, args, device, costs))
         except Exception as e:  # noqa: BLE001 - the row says so and the run goes on
             traceback.print_exc()
-            results.append({"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"})
+            results.append({"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
         report = results[-1].pop("report", None)
         if rank == 0:
             print(f"[bench.gpu] {results[-1]}", file=sys.stderr, flush=True)
@@ -270,9 +315,7 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
-        with torch.device("meta"):
-            n_params = param_count(LlamaLM(model_config(args)))
-        text = table(results, args, n_params, str(costs))
+        text = table(results, args, str(costs), dist.get_backend())
         print(text, flush=True)
         if args.out:
             with open(args.out, "w") as f:

@@ -5,18 +5,30 @@ rows (empty for the peers), ``explain()``'s step peak read off the traces, and t
 the row's plan (``fsdp_pass.predict_step``): its step time and its peak. At world size 2 the systems without FSDP
 synchronize their gradients as DDP does (eager and compile: ``DistributedDataParallel``; plain thunder: each
 gradient all-reduced and averaged after the backward), so every row trains the same model on the same batches.
+
+A :class:`Setup` says how every row wraps the model: the dtype policy (:mod:`bench.precision`: ours and FSDP2 get
+its mixed-precision policy, the rows without FSDP its autocast), whether each decoder layer's activations are
+recomputed in the backward (ours: ``FSDP(checkpoint_activations=True)``; the others: ``checkpoint_wrapper`` on each
+decoder layer, torch.utils.checkpoint without reentrance), and where the decoder layers are (FSDP2's units).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import thunder
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from bench.precision import Precision
 from fsdp_pass.api import fsdp_of
+from fsdp_pass.errors import FSDPError
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.transform import FSDP
 
@@ -26,10 +38,26 @@ SYSTEMS = ("eager", "compile", "fsdp2", "fsdp2+compile", "thunder", "ours zero3"
 MERGED_UNIT_BYTES = 1 << 20  # the "merged" rows: consecutive blocks merged into units of up to 1 MiB
 
 
+@dataclass(frozen=True)
+class Setup:
+    precision: Precision
+    checkpoint: bool  # recompute each decoder layer's activations in the backward
+    layers_of: Callable  # model -> the nn.ModuleList of its decoder layers
+
+
 class Trainer:
-    def __init__(self, module, parameters=None):
+    """``autocast``: a function returning the context the forward and loss run in (the recipe's rows without FSDP:
+    ``torch.autocast``)."""
+
+    def __init__(self, module, parameters=None, autocast=contextlib.nullcontext):
         self.module = module
         self.optimizer = torch.optim.AdamW(list(parameters or module.parameters()), lr=LR)
+        self.autocast = autocast
+
+    def loss(self, workload, batch):
+        """One forward and its loss (``workload.loss``) in this row's autocast context."""
+        with self.autocast():
+            return workload.loss(self.module, batch)
 
     def after_backward(self) -> None:
         """Nothing to do after the backward (the systems here synchronize gradients themselves, or not at all)."""
@@ -55,21 +83,26 @@ class OursTrainer(Trainer):
 
     def predicted(self) -> dict:
         fsdp = fsdp_of(self.module)
-        model = fsdp.predict_step(self.cost)
-        before_step = fsdp.compiled_step.plan.summary.state_bytes  # shards and AdamW state (no offload here)
         explanation = fsdp.explain()
-        return {"predicted_above": explanation.memory.step.peak_bytes, "model_ms": model.step_s * 1e3,
-                "model_peak": model.peak_bytes, "model_step_peak": model.peak_bytes - before_step,
-                "report": f"{explanation}\n\nstep model, {self.cost}:\n{model}\n"}
+        out = {"predicted_above": explanation.memory.step.peak_bytes, "report": f"{explanation}\n"}
+        try:
+            model = fsdp.predict_step(self.cost)
+        except FSDPError as e:  # a plan the step model cannot price (e.g. checkpointed units): no model columns
+            return out | {"report": f"{explanation}\n\nstep model: {str(e).splitlines()[0]}\n"}
+        before_step = fsdp.compiled_step.plan.summary.state_bytes  # shards and AdamW state (no offload here)
+        return out | {"model_ms": model.step_s * 1e3, "model_peak": model.peak_bytes,
+                      "model_step_peak": model.peak_bytes - before_step,
+                      "report": f"{explanation}\n\nstep model, {self.cost}:\n{model}\n"}
 
 
-def _fsdp2(model, device, compile_layers: bool):
+def _fsdp2(model, device, compile_layers: bool, setup: Setup):
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
+    policy = setup.precision.fsdp2_policy()
+    for layer in setup.layers_of(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
         if compile_layers:
             layer.compile()
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return Trainer(model)
 
 
@@ -77,27 +110,41 @@ def _ddp(model):
     return DistributedDataParallel(model) if dist.get_world_size() > 1 else model
 
 
-def build_system(name: str, model, device, executors: list, costs) -> Trainer:
+def _checkpoint_layers(model, layers_of) -> None:
+    """Wrap each decoder layer in ``checkpoint_wrapper`` (in place: the layer list then holds the wrappers)."""
+    layers = {id(layer) for layer in layers_of(model)}
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in layers)
+
+
+def _ours(strategy: str, setup: Setup, **options) -> FSDP:
+    return FSDP(strategy, mixed_precision=setup.precision.ours(), checkpoint_activations=setup.checkpoint, **options)
+
+
+def build_system(name: str, model, device, executors: list, costs, setup: Setup) -> Trainer:
     """``executors``: the list the Thunder rows are jitted with (ours puts ``fsdp_comm`` first itself); ``costs``:
     ``costs.for_prices()`` what the step model prices our rows with, ``costs.probed()`` a probe of these ranks
-    (what ``ours auto probed`` plans with)."""
+    (what ``ours auto probed`` plans with); ``setup``: the dtype policy, checkpointing and decoder layers."""
+    if name not in SYSTEMS:
+        raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    if setup.checkpoint and not name.startswith("ours "):
+        _checkpoint_layers(model, setup.layers_of)
+    autocast = lambda: setup.precision.autocast(device)  # noqa: E731 - the rows without FSDP
     if name == "eager":
-        return Trainer(_ddp(model))
+        return Trainer(_ddp(model), autocast=autocast)
     if name == "compile":
-        return Trainer(torch.compile(_ddp(model)), model.parameters())
+        return Trainer(torch.compile(_ddp(model)), model.parameters(), autocast=autocast)
     if name == "fsdp2":
-        return _fsdp2(model, device, compile_layers=False)
+        return _fsdp2(model, device, compile_layers=False, setup=setup)
     if name == "fsdp2+compile":
-        return _fsdp2(model, device, compile_layers=True)
+        return _fsdp2(model, device, compile_layers=True, setup=setup)
     if name == "thunder":
         trainer = AllReduceTrainer if dist.get_world_size() > 1 else Trainer
-        return trainer(thunder.jit(model, executors=executors))
+        return trainer(thunder.jit(model, executors=executors), autocast=autocast)
     if name in ("ours auto", "ours auto probed"):
-        fsdp = FSDP("auto", cost=costs.probed() if name.endswith("probed") else None)  # None: the device's defaults
-        return OursTrainer(thunder.jit(model, transforms=[fsdp], executors=executors), costs.for_prices())
-    if name.startswith("ours "):
-        strategy, *merged = name.split()[1:]
-        units = BySize(MERGED_UNIT_BYTES) if merged else "blocks"
-        jitted = thunder.jit(model, transforms=[FSDP(strategy, units=units)], executors=executors)
+        cost = costs.probed() if name.endswith("probed") else None  # None: the device's defaults
+        jitted = thunder.jit(model, transforms=[_ours("auto", setup, cost=cost)], executors=executors)
         return OursTrainer(jitted, costs.for_prices())
-    raise SystemExit(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    strategy, *merged = name.split()[1:]
+    units = BySize(MERGED_UNIT_BYTES) if merged else "blocks"
+    jitted = thunder.jit(model, transforms=[_ours(strategy, setup, units=units)], executors=executors)
+    return OursTrainer(jitted, costs.for_prices())
