@@ -11,9 +11,9 @@ import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 from thunder.extend import get_executor
 
-from fsdp_pass import FSDP, explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
+from fsdp_pass import FSDP, MixedPrecision, explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
 from fsdp_pass.op_names import REDUCE_SCATTER
-from fsdp_pass.plan.layout import ShardLayout
+from fsdp_pass.plan.layout import ShardLayout, shard_tensor
 from fsdp_pass.report.measure import CollectiveBytes
 from fsdp_pass.shard.global_view import gather_full
 from tests import models
@@ -21,6 +21,13 @@ from tests import models
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.to(b.device) - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _worst(errors) -> float:
+    """The largest of ``errors``; NaN when any is NaN (Python's max() passes a NaN over when it is not first, and
+    a NaN is what a broken step gives)."""
+    errors = list(errors)
+    return float("nan") if any(e != e for e in errors) else max(errors, default=0.0)
 
 
 def _norm_rel(ours, theirs) -> float:
@@ -71,27 +78,29 @@ class _MixedPrecisionReference:
             _LOW_PRECISION_COPIES[key] = low, thunder.jit(low, executors=executors_for("cpu"))
         self.low, self.jitted = _LOW_PRECISION_COPIES[key]
 
-    def step(self, model_name, x, y, world_size):
-        """Gradients into ``reference``'s ``.grad``; returns the mean loss."""
+    def step(self, model_name, x, y, world_size, loss_scale: float = 1.0):
+        """Gradients (of the loss times ``loss_scale``) into ``reference``'s ``.grad``; returns each rank's loss
+        and the largest gradient element any rank computed in the compute dtype (before the reduction)."""
         with torch.no_grad():
             for p, q in zip(self.reference.parameters(), self.low.parameters()):
                 q.copy_(p)
                 q.grad = None
-        losses, sums = [], [None] * len(list(self.low.parameters()))
+        losses, sums, largest = [], [None] * len(list(self.low.parameters())), 0.0
         for r in range(world_size):
             out = self.jitted(_cast_floats(_local(x, r, world_size), self.compute_dtype)).float()
             loss = models.loss_fn(model_name, out, _local(y, r, world_size))
-            loss.backward()
+            (loss * loss_scale).backward()
             losses.append(loss.detach())
             for i, q in enumerate(self.low.parameters()):  # pre-divided and summed in the reduce dtype
                 if q.grad is not None:
+                    largest = _worst([largest, float(q.grad.abs().max())])
                     part = q.grad.to(self.reduce_dtype) / world_size
                     sums[i] = part if sums[i] is None else sums[i] + part
                     q.grad = None
         for p, total in zip(self.reference.parameters(), sums):
             if total is not None:
                 p.grad = total.float()
-        return sum(losses) / world_size
+        return losses, largest
 
 
 def parity(
@@ -105,14 +114,26 @@ def parity(
     executor_names=None,
     device="cpu",
     keep_model: bool = False,
+    loss_scale: float = 1.0,
+    same_batch_on_every_rank: bool = False,
     **fsdp_kwargs,
 ):
     """Train the FSDP model and a single-process reference on the same global batches; report errors.
     ``device``: where the model computes (``"cuda"``: gloo with CUDA tensors, every rank on one GPU).
     ``keep_model``: the jitted model under ``"jm"`` too, for a caller on the rank that looks further.
+    ``loss_scale``: both sides backpropagate the loss times this (gradients compared as they come, scaled).
+    ``same_batch_on_every_rank``: every rank's slice of the global batch is the first rank's (so the ranks'
+    gradients are equal, and their sum is N times each).
 
     ``compute_dtype``, ``reduce_dtype``: the reference computes like ``MixedPrecision(compute_dtype,
-    reduce_dtype)`` (pass the matching ``mixed_precision=`` in ``fsdp_kwargs``)."""
+    reduce_dtype)`` (pass the matching ``mixed_precision=`` in ``fsdp_kwargs``).
+
+    Each step: 1. the reference's step on the whole global batch (float32), or the mixed-precision reference's
+    (each rank's slice in ``compute_dtype``, gradients pre-divided and summed in ``reduce_dtype``); the reference's
+    loss on this rank's slice alone too; 2. this rank's step on its slice; its own loss (before any reduction)
+    against the reference's on the slice, the mean over ranks against the reference's loss; 3. every trainable
+    parameter's gathered gradient against the reference's, one relative error per parameter; the padding rows
+    of every shard exactly zero; 4. both optimizers step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, executor_names, device, **fsdp_kwargs)
     opt = torch.optim.AdamW(jm.parameters(), lr=lr)
@@ -123,23 +144,35 @@ def parity(
     mixed = None
     if compute_dtype is not None:
         mixed = _MixedPrecisionReference(model_name, reference, compute_dtype, reduce_dtype)
-    loss_err, grad_err, norm_err, full_precision_err, losses, frozen_grads = [], [], [], [], [], []
+    loss_err, local_loss_err, grad_err, norm_err, full_precision_err, losses, frozen_grads = [], [], [], [], [], [], []
+    grad_err_by_param: dict[str, float] = {}
+    largest_low_precision_grad = 0.0
     for step in range(steps):
         x, y = (t.to(device) for t in models.batch(model_name, per_rank_batch * world_size, 0))  # one fixed batch
+        if same_batch_on_every_rank:
+            x, y = (torch.cat([t[:per_rank_batch]] * world_size) for t in (x, y))
 
         ref_opt.zero_grad()
         if compute_dtype is None:
             ref_loss = models.loss_fn(model_name, reference(x), y)
-            ref_loss.backward()
+            (ref_loss * loss_scale).backward()
+            with torch.no_grad():
+                ref_local_loss = models.loss_fn(
+                    model_name, reference(_local(x, rank, world_size)), _local(y, rank, world_size)
+                )
         else:
             # how far plain float32 gradients are from the mixed-precision reference: the scale of its rounding
-            fp32_grads = torch.autograd.grad(models.loss_fn(model_name, reference(x), y), trainable)
-            ref_loss = mixed.step(model_name, x, y, world_size)
+            scaled = models.loss_fn(model_name, reference(x), y) * loss_scale
+            fp32_grads = torch.autograd.grad(scaled, trainable)
+            rank_losses, largest = mixed.step(model_name, x, y, world_size, loss_scale)
+            largest_low_precision_grad = _worst([largest_low_precision_grad, largest])
+            ref_loss, ref_local_loss = sum(rank_losses) / world_size, rank_losses[rank]
             full_precision_err.append(_norm_rel(fp32_grads, [p.grad for p in trainable]))
 
         opt.zero_grad()
         loss = models.loss_fn(model_name, jm(_local(x, rank, world_size)), _local(y, rank, world_size))
-        loss.backward()
+        (loss * loss_scale).backward()
+        local_loss_err.append(abs(float(loss.detach()) - float(ref_local_loss)) / abs(float(ref_local_loss)))
         mean_loss = loss.detach().clone()
         ref_loss = ref_loss.detach()
         dist.all_reduce(mean_loss)
@@ -147,46 +180,83 @@ def parity(
         loss_err.append(abs(float(mean_loss) - float(ref_loss)) / abs(float(ref_loss)))
         losses.append(float(mean_loss))
 
-        step_grad_err, ours, theirs = 0.0, [], []
+        ours, theirs = [], []
         for spec in fsdp.sharding.owners():
             shard = jm.get_parameter(spec.name)
             if not spec.requires_grad:
                 frozen_grads.append(shard.grad is not None)
                 continue
             full_grad = gather_full(shard.grad, spec.layout, fsdp.group)
-            step_grad_err = max(step_grad_err, _rel(full_grad, ref_params[spec.name].grad))
+            err = _rel(full_grad, ref_params[spec.name].grad)
+            grad_err_by_param[spec.name] = _worst([grad_err_by_param.get(spec.name, 0.0), err])
             ours.append(full_grad)
             theirs.append(ref_params[spec.name].grad)
             # padding rows of the shard stay exactly zero
             pad_start = spec.layout.rows - fsdp.sharding.rank * spec.layout.rows_per_rank  # rank in the shard group
             if 0 <= pad_start < spec.layout.rows_per_rank:
                 assert shard.detach().reshape(spec.layout.shard_shape)[pad_start:].abs().max() == 0
-        grad_err.append(step_grad_err)
+        grad_err.append(_worst(grad_err_by_param.values()))  # the worst parameter's, up to this step
         norm_err.append(_norm_rel(ours, theirs))
         opt.step()
         ref_opt.step()
 
     # after training, the gathered parameters equal the reference's
     full = full_state_dict(jm)
-    param_err = max(_rel(full[n], p.detach()) for n, p in ref_params.items())
+    param_err = _worst(_rel(full[n], p.detach()) for n, p in ref_params.items())
     return ({"jm": jm} if keep_model else {}) | {
-        "loss_rel_err": max(loss_err),
-        "grad_rel_err": max(grad_err),
-        "grad_norm_rel_err": max(norm_err),  # all gradients as one vector: |ours - ref| / |ref|
-        "full_precision_grad_norm_rel_err": max(full_precision_err, default=0.0),
+        "loss_rel_err": _worst(loss_err),  # the mean over ranks against the reference's loss
+        "local_loss_rel_err": _worst(local_loss_err),  # this rank's own loss against the reference's on its slice
+        "grad_rel_err": _worst(grad_err),  # the worst parameter's: max |ours - ref| / max |ref|, each on its own
+        "grad_rel_err_by_param": grad_err_by_param,  # each trainable parameter's worst step
+        "grad_rel_err_by_step": grad_err,  # the worst parameter's over the steps so far, after each step
+        "grad_norm_rel_err": _worst(norm_err),  # all gradients as one vector: |ours - ref| / |ref|
+        "full_precision_grad_norm_rel_err": _worst(full_precision_err),
+        "largest_low_precision_grad": largest_low_precision_grad,  # the mixed reference's, on any rank
         "param_rel_err": param_err,
         "losses": losses,
         "frozen_grads_present": any(frozen_grads),
         "shard_devices": sorted({str(p.device) for p in jm.parameters()}),
         "grad_devices": sorted({str(p.grad.device) for p in jm.parameters() if p.grad is not None}),
+        "optimizer_state_devices": sorted(
+            {str(t.device) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()}
+        ),
         "shard_numel": sum(p.numel() for p in jm.parameters()),
-        "full_numel": sum(p.numel() for p in reference.parameters()),
+        "full_shapes": [tuple(p.shape) for p in reference.parameters()],  # tied parameters once
         "unit_names": [u.name for u in fsdp.unit_plan.units],
         "reshard": [u.reshard_after_forward for u in fsdp.unit_plan.units],
         # where each collective is issued and waited for in this rank's final traces
         "schedule": [(r.phase, r.kind, r.unit, r.issued_at, r.waited_at) for r in fsdp.overlap_report().rows],
         "exposed": [(r.phase, r.kind, r.unit) for r in fsdp.overlap_report().exposed()],
     }
+
+
+def float16_reduce_near_its_range(model_name: str, strategy: str, largest: float = 48_000.0):
+    """``parity`` in float16 (parameters, compute and reduce) with every rank on the same slice and the loss scaled
+    so that the largest gradient element of a rank is about ``largest`` (read off a float32 backward of the first
+    step): two ranks' sum of it would overflow float16 unless each is divided by the ranks first."""
+    world_size = dist.get_world_size()
+    x, y = models.batch(model_name, 2 * world_size, 0)
+    reference = models.build(model_name)
+    loss = models.loss_fn(model_name, reference(x[:2]), y[:2])
+    grads = torch.autograd.grad(loss, [p for p in reference.parameters() if p.requires_grad])
+    scale = largest / max(float(g.abs().max()) for g in grads)
+    precision = MixedPrecision(torch.float16, reduce_dtype=torch.float16, output_dtype=torch.float32)
+    return parity(model_name, strategy, steps=2, compute_dtype=torch.float16, reduce_dtype=torch.float16,
+                  loss_scale=scale, same_batch_on_every_rank=True, mixed_precision=precision)
+
+
+def expected_shard_numel(full_shapes, shard_ranks: int) -> int:
+    """What each rank must hold of parameters of ``full_shapes`` sharded over ``shard_ranks`` ranks, written out
+    here rather than read off the pass's layout: dim 0 cut into ``ceil(rows / N)`` rows per rank (padding rows
+    included), a 0-d parameter as one row."""
+    total = 0
+    for shape in full_shapes:
+        rows = shape[0] if shape else 1
+        row_numel = 1
+        for n in shape[1:]:
+            row_numel *= n
+        total += -(-rows // shard_ranks) * row_numel
+    return total
 
 
 def state_dict_round_trip(model_name: str, strategy: str):
@@ -236,11 +306,24 @@ def broadcast_from_rank0():
     return all(torch.equal(full[k], v) for k, v in rank0_model.state_dict().items())
 
 
-def meta_device_init(strategy: str):
-    """A model built on the meta device is materialized (reset_parameters) and trains."""
+def meta_device_init(strategy: str, broadcast_from=None):
+    """A model built on the meta device is materialized (reset_parameters) and trains. Every rank seeds as the
+    README asks (the same seed; with ``broadcast_from`` each its own, rank ``broadcast_from``'s weights wanted):
+    every shard must be cut from one tensor, the one a CPU build with that seed holds."""
+    rank = dist.get_rank()
+    seed = 100 + (rank if broadcast_from is not None else 0)
+    torch.manual_seed(seed)
     with torch.device("meta"):
         model = models.MLP()
-    jm = thunder.jit(model, transforms=[FSDP(strategy, broadcast_from=None)], executors=executors_for("cpu"))
+    jm = thunder.jit(model, transforms=[FSDP(strategy, broadcast_from=broadcast_from)], executors=executors_for("cpu"))
+    source = models.build("mlp", seed=100 + (broadcast_from or 0))  # the weights every rank must start from
+    fsdp = fsdp_of(jm)
+    shards_cut_from_source = all(
+        torch.equal(jm.get_parameter(s.name).detach(), shard_tensor(source.get_parameter(s.name).detach(), s.layout, rank))
+        for s in fsdp.sharding.owners()
+    )
+    full = full_state_dict(jm)
+    gathered_is_source = all(torch.equal(full[k], v) for k, v in source.state_dict().items())
     x, y = models.batch("mlp", 2, 0)
     loss = models.loss_fn("mlp", jm(x), y)
     loss.backward()
@@ -248,6 +331,9 @@ def meta_device_init(strategy: str):
         "devices": sorted({str(p.device) for p in jm.parameters()}),
         "finite": bool(torch.isfinite(loss)),
         "grads": all(p.grad is not None for p in jm.parameters()),
+        "shards_cut_from_one_tensor": shards_cut_from_source,
+        "gathered_is_that_tensor": gathered_is_source,
+        "loss_as_that_model": _rel(loss.detach(), models.loss_fn("mlp", source(x), y).detach()) < 1e-6,
     }
 
 
@@ -302,7 +388,7 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
         for spec in fsdp.sharding.owners():
             if spec.requires_grad:
                 full = gather_full(jm.get_parameter(spec.name).grad, spec.layout, fsdp.group)
-                err = max(err, _rel(full, ref_params[spec.name].grad))
+                err = _worst([err, _rel(full, ref_params[spec.name].grad)])
         grad_err.append(err)
         opt.step()
         ref_opt.step()
@@ -310,7 +396,7 @@ def accumulation_parity(model_name: str, strategy: str, micro_batches: int = 3, 
     loss = models.loss_fn(model_name, jm(x[:per_micro]), y[:per_micro])
     loss.backward()
     return {
-        "grad_rel_err": max(grad_err),
+        "grad_rel_err": _worst(grad_err),
         "reduce_scatters_per_micro_batch": reduce_scatters,
         "units_with_grads": sum(
             1 for u in fsdp.unit_plan.units if any(fsdp.sharding.param(p).requires_grad for p in u.params)

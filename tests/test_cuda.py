@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fsdp_pass.op_names import ALL_GATHER
-from tests import rank_cases
+from tests import rank_cases, tolerances
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="tier 3: needs a CUDA GPU")
 
@@ -30,10 +30,12 @@ def test_a_cuda_step_trains_like_one_process(ranks, case):
     strategy, options = CASES[case]
     results = ranks(2).run(rank_cases.parity, "llama_gqa", strategy, steps=3, device="cuda", **options)
     r = results[0]
-    assert r["loss_rel_err"] < 1e-4 and r["grad_norm_rel_err"] < 1e-4, r
-    assert all(x["losses"] == r["losses"] for x in results)
+    assert r["loss_rel_err"] < tolerances.CUDA and r["grad_rel_err"] < tolerances.CUDA, r  # each parameter's gradient
     first_gather = next(row[:3] for row in r["schedule"] if row[1] is ALL_GATHER)
     assert [e for e in r["exposed"] if e[0] == "forward"] == [first_gather], r["exposed"]
-    host = "offload_to" in options
-    assert r["shard_devices"] == (["cpu"] if host else ["cuda:0"]), r["shard_devices"]
-    assert r["grad_devices"] == r["shard_devices"], r["grad_devices"]
+    host = ["cpu"] if "offload_to" in options else ["cuda:0"]
+    for rank, x in enumerate(results):
+        assert x["local_loss_rel_err"] < tolerances.CUDA, (rank, x)  # this rank's own loss on its slice
+        # the shards, their gradients and AdamW's state: on the host when offloaded, else on the GPU
+        where = (x["shard_devices"], x["grad_devices"], x["optimizer_state_devices"])
+        assert where == (host, host, host), (rank, where)

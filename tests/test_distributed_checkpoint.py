@@ -31,7 +31,6 @@ def _check_same_world_resume(results, plain=()):
         assert r["resumed_losses"] == r["losses"], r  # bitwise
         assert r["resumed_params_bitwise"], r
         assert r["jm_state_dict_keys_match"] and r["jm_state_dict_plain"] == list(plain), r
-    assert results[0]["losses"] == results[1]["losses"]
 
 
 def same_nested(a, b) -> bool:

@@ -36,7 +36,7 @@ from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.overlap import overlap_report
 from fsdp_pass.report.text import collective_label
 from fsdp_pass_executors import comm_ex
-from tests import explain_cases, models, rank_cases
+from tests import explain_cases, models, rank_cases, tolerances
 
 FUSED = ("fsdp_comm", "torchcompile", "torch")
 WORLD = 2
@@ -160,7 +160,7 @@ def test_a_fused_step_trains_like_one_process(ranks):
     the Llama-shaped model under this executor are the dry runs' above."""
     results = ranks(2).run(rank_cases.parity, "mlp", "zero3", steps=3, executor_names=FUSED)
     r = results[0]
-    assert r["loss_rel_err"] < 1e-4 and r["grad_norm_rel_err"] < 1e-4, r
-    assert all(x["losses"] == r["losses"] for x in results)
+    assert r["loss_rel_err"] < tolerances.FLOAT32 and r["grad_rel_err"] < tolerances.FLOAT32, r  # each parameter's
+    assert all(x["local_loss_rel_err"] < tolerances.FLOAT32 for x in results), results  # each rank's, unreduced
     first_gather = next(row[:3] for row in r["schedule"] if row[1] is ALL_GATHER)
     assert [e for e in r["exposed"] if e[0] == "forward"] == [first_gather], r["exposed"]

@@ -17,7 +17,10 @@ def test_broadcast_from_rank0(ranks):
     assert ranks(2).run(rank_cases.broadcast_from_rank0) == [True, True]
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_meta_device_model(ranks, strategy):
-    for r in ranks(2).run(rank_cases.meta_device_init, strategy):
-        assert r == {"devices": ["cpu"], "finite": True, "grads": True}, r
+@pytest.mark.parametrize(("strategy", "broadcast_from"), [("zero2", None), ("zero3", 0)])
+def test_meta_device_model(ranks, strategy, broadcast_from):
+    """Each rank's shards are its rows of one tensor: the CPU build's with the seed every rank used (or rank 0's,
+    broadcast), and the model computes as that build does."""
+    for r in ranks(2).run(rank_cases.meta_device_init, strategy, broadcast_from):
+        assert r == {"devices": ["cpu"], "finite": True, "grads": True, "shards_cut_from_one_tensor": True,
+                     "gathered_is_that_tensor": True, "loss_as_that_model": True}, r

@@ -68,11 +68,16 @@ def test_released_original_and_jitted_module_refuse():
     with fake_process_group(2):
         model = models.build("mlp")
         jm = thunder.jit(model, transforms=[FSDP()])
+        shards = [(n, p, p.detach().clone()) for n, p in jm.named_parameters()]
         with pytest.raises(FSDPError, match="full_state_dict"):
             model(torch.randn(2, 16))
         with pytest.raises(FSDPError, match="Jit the original module"):
             thunder.jit(jm, transforms=[FSDP("zero3")])
-        assert jm is not None
+        # refused, and nothing changed: the same shard tensors, the same values, the original still released
+        now = dict(jm.named_parameters())
+        assert list(now) == [n for n, _, _ in shards] and all(now[n] is p for n, p, _ in shards)
+        assert all(torch.equal(p, before) for _, p, before in shards)
+        assert all(p.is_meta for p in model.parameters())
 
 
 def test_dry_run_again_on_the_same_module():

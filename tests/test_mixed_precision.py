@@ -22,7 +22,7 @@ from fsdp_pass.predicates import (
 )
 from fsdp_pass.report.step_stats import step_stats
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
-from tests import autocast_cases, explain_cases, models, rank_cases
+from tests import autocast_cases, explain_cases, models, rank_cases, tolerances
 from tests.dry_runs import model_dry_run
 
 WORLD = 8
@@ -126,26 +126,49 @@ def test_bad_mixed_precision():
         dry_run(*explain_cases.build_model("meta"), WORLD, "zero3", mixed_precision="bf16")
 
 
-TOL_SAME_CASTS = 1e-6  # measured 0.0: a float32 reduce of bf16 gradients is order-independent at world 2
-TOL_BF16_REDUCE = 2e-2  # gloo's bf16 sum rounds differently from torch's; measured 0.9% after 5 AdamW steps
+TOL_SAME_CASTS = tolerances.SAME_CASTS  # measured 0.0: a float32 reduce of bf16 gradients, the same casts
+TOL_BF16_REDUCE = 2e-2  # gloo's bf16 sum rounds differently from torch's; losses and gradients drift apart over
+# 5 AdamW steps: measured 0.9 % (all gradients as one vector), 2.2 % (the worst parameter, a LayerNorm bias)
+TOL_BF16_REDUCE_PER_PARAMETER = 5e-2
 
 
 @pytest.mark.parametrize(
-    ("model_name", "strategy", "reduce_dtype", "tol"),
-    [("llama_gqa", "zero3", torch.float32, TOL_SAME_CASTS), ("gpt2_tied", "zero2", BF16, TOL_BF16_REDUCE)],
+    ("model_name", "strategy", "reduce_dtype"), [("llama_gqa", "zero3", torch.float32), ("gpt2_tied", "zero2", BF16)]
 )
-def test_parity_with_mixed_precision(ranks, model_name, strategy, reduce_dtype, tol):
+def test_parity_with_mixed_precision(ranks, model_name, strategy, reduce_dtype):
     precision = MixedPrecision(BF16, reduce_dtype=reduce_dtype, output_dtype=torch.float32)
     results = ranks(2).run(
         rank_cases.parity, model_name, strategy, compute_dtype=BF16, reduce_dtype=reduce_dtype, mixed_precision=precision
     )
     r = results[0]
-    assert r["grad_norm_rel_err"] <= tol, r
+    if reduce_dtype == torch.float32:  # the same casts: every parameter's gradient, every step
+        tol = TOL_SAME_CASTS
+        assert r["grad_rel_err"] <= tol, r
+    else:  # every parameter's gradient at the first step within two bfloat16 roundings of the reduce; then drift
+        tol = TOL_BF16_REDUCE
+        assert r["grad_rel_err_by_step"][0] <= tolerances.ulps_of_reduce(BF16), r
+        assert r["grad_rel_err"] <= TOL_BF16_REDUCE_PER_PARAMETER and r["grad_norm_rel_err"] <= tol, r
     assert r["loss_rel_err"] <= tol, r
     # the casts are real: float32 gradients are farther from this reference (by > 0.1 %) than ours are
     assert r["full_precision_grad_norm_rel_err"] > max(r["grad_norm_rel_err"], 1e-3), r
     assert r["losses"][-1] < r["losses"][0]
-    assert all(x["losses"] == r["losses"] for x in results)
+    for rank, x in enumerate(results):  # each rank's own loss against the reference's on its slice
+        assert x["local_loss_rel_err"] <= tol, (rank, x)
+
+
+def test_float16_gradients_are_divided_before_a_sum_that_would_overflow(ranks):
+    """float16 parameters and reduce on 2 ranks that hold the same batch, the loss scaled so that each rank's
+    largest gradient element is about 48,000: it fits in float16 (65,504 at most), the two ranks' sum (96,000)
+    would not. Divided by the 2 ranks before the reduce-scatter, every gradient is finite and equals the
+    reference's, which pre-divides in float16 too."""
+    results = ranks(2).run(rank_cases.float16_reduce_near_its_range, "mlp", "zero2")
+    r = results[0]
+    largest = r["largest_low_precision_grad"]
+    assert torch.finfo(torch.float16).max / 2 < largest < torch.finfo(torch.float16).max, r  # the sum would overflow
+    assert all(e <= TOL_SAME_CASTS for e in r["grad_rel_err_by_param"].values()), r  # finite, and each as the reference's
+    assert r["loss_rel_err"] <= TOL_SAME_CASTS, r
+    for rank, x in enumerate(results):
+        assert x["local_loss_rel_err"] <= TOL_SAME_CASTS, (rank, x)
 
 
 def test_torch_autocast_trains_as_one_process_does(ranks):

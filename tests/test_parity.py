@@ -17,15 +17,16 @@ TOL = 1e-5  # relative, float32
 def _check(results, world_size):
     r = results[0]
     assert r["loss_rel_err"] < TOL, r
-    assert r["grad_rel_err"] < TOL, r
+    assert r["grad_rel_err"] < TOL, r  # each parameter's gradient on its own
     assert r["losses"][-1] < r["losses"][0], f"loss did not fall: {r['losses']}"
     assert not r["frozen_grads_present"], "a frozen parameter received a gradient"
-    # every rank agrees on the loss curve and on where each collective is issued and waited for,
-    # and each holds about 1/N of the parameters
-    assert all(x["losses"] == r["losses"] for x in results)
-    assert all(x["schedule"] == r["schedule"] for x in results)
-    for x in results:
-        assert x["shard_numel"] <= x["full_numel"] / world_size + 64
+    for rank, x in enumerate(results):
+        # each rank's own loss, before any reduction, is the reference's on that rank's slice of the batch
+        assert x["local_loss_rel_err"] < TOL, (rank, x)
+        # each holds exactly its rows of every parameter: ceil(rows / N) of them, padding included
+        assert x["shard_numel"] == rank_cases.expected_shard_numel(x["full_shapes"], world_size), (rank, x)
+        # and issues and waits for each collective where every other rank does
+        assert x["schedule"] == r["schedule"], (rank, x["schedule"], r["schedule"])
 
 
 # world 4 for the models where it changes something: padding rows on more ranks, a tied weight's shards
@@ -67,5 +68,4 @@ def test_parity_schedules(ranks, model_name, schedule):
 
 
 def test_parity_world_size_1(ranks):
-    r = ranks(1).run(rank_cases.parity, "gpt2_tied", "zero3", steps=3)[0]
-    assert r["loss_rel_err"] < TOL and r["grad_rel_err"] < TOL, r
+    _check(ranks(1).run(rank_cases.parity, "gpt2_tied", "zero3", steps=3), 1)

@@ -48,7 +48,6 @@ def test_recipe_matches_fsdp2(ranks, kind, strategy, options):
     assert r["logits_dtypes"] == {"ours": ["torch.bfloat16"], "fsdp2": ["torch.bfloat16"],
                                   "fsdp2_fp32": ["torch.float32"]}, r
     assert r["shard_dtypes"] == ["torch.float32"], r  # the optimizer steps on float32 master weights
-    assert all(x["losses"] == losses for x in results)  # every rank reports the same global losses
     if reference:
         same_casts = _worst(losses["ours"], losses["one_process"])
         assert same_casts <= TOL_SAME_CASTS, losses
