@@ -152,9 +152,13 @@ def _train(jm, opt, args, device, out: Path, say):
 
 
 def main(argv=None):
+    """The run (steps 1-4 of the module docstring) on the default process group: made here from torchrun's
+    environment, or a caller's already made (the tests' gloo ranks), which is used as it is and left open."""
     args = _arguments(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -178,7 +182,8 @@ def main(argv=None):
     local = sum(p.numel() for p in jm.parameters())
     say("\n" + "\n".join(summary_lines(losses, step_times, waited, measured, rank)))
     say(f"  parameters     each rank holds {local:,} of the {n_params:,} parameter elements (its shards)")
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
