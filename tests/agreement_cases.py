@@ -14,6 +14,7 @@ from torch import nn
 
 from fsdp_pass import FSDP, FSDPError, fsdp_of, full_state_dict
 from fsdp_pass.predicates import is_collective, is_step_check
+from fsdp_pass.report.measure import CollectiveBytes
 from tests import models
 
 # tokens per rank at each step: ranks differ, and each rank's own shape changes, so that at step 1 only rank 1
@@ -94,16 +95,18 @@ def different_collectives_at_a_later_step():
     )
     jm(torch.randn(2, 16)).sum().backward()
     start = time.monotonic()
-    try:
-        jm(torch.randn(6 if rank == 1 else 2, 16)).sum().backward()
-        message = "no error"
-    except FSDPError as e:
-        message = str(e)
+    with CollectiveBytes() as sent:  # the step's all-gathers and reduce-scatters, issued before the error or not
+        try:
+            jm(torch.randn(6 if rank == 1 else 2, 16)).sum().backward()
+            message = "no error"
+        except FSDPError as e:
+            message = str(e)
     seconds = time.monotonic() - start
     # nothing was left in flight: the group still runs a collective
     t = torch.ones(1)
     dist.all_reduce(t)
-    return {"message": message, "seconds": seconds, "group_still_works": float(t) == dist.get_world_size()}
+    return {"message": message, "seconds": seconds, "group_still_works": float(t) == dist.get_world_size(),
+            "collectives_before_the_error": [str(kind) for kind, _ in sent.calls]}
 
 
 def helper_on_one_rank(timeout_s: float):

@@ -50,8 +50,11 @@ def _worker(rank, world_size, port, jobs, results, collective_timeout_s):
     os._exit(0)  # no interpreter teardown: with Thunder loaded it takes seconds, and there is nothing left to do
 
 
+COLLECTIVE_TIMEOUT_S = 120  # how long gloo lets a rank wait in a collective before it raises
+
+
 class RankPool:
-    def __init__(self, world_size: int, collective_timeout_s: int = 120):
+    def __init__(self, world_size: int, collective_timeout_s: int = COLLECTIVE_TIMEOUT_S):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self.jobs = [ctx.Queue() for _ in range(world_size)]

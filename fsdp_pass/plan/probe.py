@@ -80,8 +80,9 @@ def _sizes(min_bytes: int, max_bytes: int) -> list[int]:
     return sizes
 
 
-def time_all_gathers(group, sizes, repeats: int, device) -> list[tuple[int, float]]:
-    """(full buffer bytes, the fastest repeat of the slowest rank's seconds) per size, float32 buffers."""
+def time_all_gathers(group, sizes, repeats: int, device, clock=time.perf_counter) -> list[tuple[int, float]]:
+    """(full buffer bytes, the fastest repeat of the slowest rank's seconds) per size, float32 buffers. ``clock``
+    is read right before and right after each gather, the warm-up's too (a test hands canned times)."""
     ranks = dist.get_world_size(group)
     points = []
     for full in sizes:
@@ -90,12 +91,13 @@ def time_all_gathers(group, sizes, repeats: int, device) -> list[tuple[int, floa
         times = []
         for i in range(repeats + 1):
             dist.barrier(group=group)
-            t0 = time.perf_counter()
+            t0 = clock()
             dist.all_gather_into_tensor(out, part, group=group)
             if out.is_cuda:
                 torch.cuda.synchronize(out.device)
+            seconds = clock() - t0
             if i:  # the first is a warm-up
-                times.append(time.perf_counter() - t0)
+                times.append(seconds)
         points.append((out.numel() * 4, min(reduced_across_ranks(times, dist.ReduceOp.MAX, group))))
     return points
 
@@ -219,16 +221,17 @@ def fitted(measure, ranks: int, attempts: int = 3) -> tuple[tuple, LinkCost]:
 
 
 def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, repeats: int = 5, device=None,
-          dtype=torch.float32):
+          dtype=torch.float32, clock=time.perf_counter):
     """Collective: every rank of ``group`` (the default group if None) calls it. Returns a ProbeResult.
     ``dtype``: what the matmul computes in (the step's compute dtype: bfloat16 under mixed precision). One rank
-    has no collectives to measure: its link costs nothing, and only the compute and the host are probed."""
+    has no collectives to measure: its link costs nothing, and only the compute and the host are probed.
+    ``clock``: what times the all-gathers the link is fitted to (:func:`time_all_gathers`)."""
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ranks = dist.get_world_size(group)
     if ranks > 1:
         sizes = _sizes(min_bytes, max_bytes)
-        points, link = fitted(lambda attempt: time_all_gathers(group, sizes, repeats << attempt, device), ranks)
+        points, link = fitted(lambda attempt: time_all_gathers(group, sizes, repeats << attempt, device, clock), ranks)
     else:
         points, link = (), LinkCost(0.0, float("inf"))
     where = f"probe: {ranks} ranks, {dist.get_backend(group)}, {device.type}"
