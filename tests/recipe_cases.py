@@ -24,36 +24,11 @@ import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
 import fsdp_pass
+from bench.recipe_parity import BF16, VOCAB, build_hf, fully_sharded
 from fsdp_pass import FSDP, MixedPrecision
 
-BF16 = torch.bfloat16
-VOCAB, SEQ, PER_RANK = 256, 32, 2
+SEQ, PER_RANK = 32, 2
 RECIPE = MixedPrecision(BF16, reduce_dtype=torch.float32)
-
-
-def build(kind: str, layers: int = 1) -> torch.nn.Module:
-    """A tiny Hugging Face causal LM of the family ``kind``, float32, seeded."""
-    import transformers as hf
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, max_position_embeddings=128, use_cache=False)
-    configs = {
-        "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, dict(common, num_key_value_heads=2)),  # GQA, rotary, RMSNorm
-        "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, dict(common, num_key_value_heads=2)),  # + q/k/v biases
-        # learned positions, LayerNorm, tied head; no dropout (Thunder draws other masks than eager torch)
-        "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel,
-                 dict(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=128, use_cache=False,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
-        "neox": (hf.GPTNeoXConfig, hf.GPTNeoXForCausalLM, common),  # partial rotary, parallel residual
-    }
-    config_class, model_class, kwargs = configs[kind]
-    torch.manual_seed(0)
-    return model_class(config_class(**kwargs))
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    base = getattr(model, "model", None) or getattr(model, "transformer", None) or model.gpt_neox
-    return list(getattr(base, "layers", None) or base.h)
 
 
 def tokens(step: int, micro: int = 0) -> torch.Tensor:
@@ -67,18 +42,6 @@ def _mine(ids: torch.Tensor) -> torch.Tensor:
     return ids[rank * PER_RANK:(rank + 1) * PER_RANK]
 
 
-def _fsdp2(model, strategy: str, precision: bool):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32) if precision else MixedPrecisionPolicy()
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=strategy == "zero3")
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
-
-
 def _fsdp2_no_sync(model, sync: bool):
     model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
@@ -89,8 +52,9 @@ def side_by_side(kind: str, strategy: str, steps: int = 3, micro_batches: int = 
     """Per-step mean losses of ours, FSDP2 in the recipe and FSDP2 in float32 (and of the one-process reference);
     ``micro_batches`` > 1 accumulates all but the last under ``fsdp_pass.no_sync`` / FSDP2's
     ``set_requires_gradient_sync(False)``."""
-    model = build(kind, layers)
-    peer, full = _fsdp2(copy.deepcopy(model), strategy, True), _fsdp2(copy.deepcopy(model), strategy, False)
+    model = build_hf(kind, layers)
+    peer = fully_sharded(copy.deepcopy(model), strategy, True)
+    full = fully_sharded(copy.deepcopy(model), strategy, False)
     reference = _OneProcess(copy.deepcopy(model)) if one_process_reference else None
     jm = thunder.jit(model, transforms=[FSDP(strategy, mixed_precision=RECIPE, **fsdp_kwargs)],
                      executors=executors_for("cpu"))
