@@ -1,5 +1,6 @@
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,9 @@ def _uses(item, fixture: str) -> bool:
 
 def pytest_collection_modifyitems(session, config, items):
     """The order modules run in: first those whose tests all run in this process (they compute on one core,
-    beside the notebooks started after collection, which compute mostly on the other), then those that use gloo
-    ranks (every core busy), and last the notebook tests, which only read the results. A module's tests stay
-    together and in their order (module fixtures compile once)."""
+    beside the notebooks started after collection, which compute mostly on the other), then, once the notebooks
+    are done, those that use gloo ranks (every core busy), and last the notebook tests, which only read the
+    results. A module's tests stay together and in their order (module fixtures compile once)."""
     kind: dict[str, int] = {}
     for item in items:
         key = item.nodeid.split("::")[0]
@@ -52,6 +53,14 @@ def pytest_collection_finish(session):
                  if "notebooks_in_background" in getattr(item, "fixturenames", ())]
     if notebooks:
         _notebooks.append(BackgroundNotebooks(notebooks, Path(tempfile.mkdtemp(prefix="fsdp_pass_notebooks_"))))
+
+
+def pytest_runtest_setup(item):
+    """Before the first test on gloo ranks, the notebooks are done: the ranks of a pool keep both cores busy, and
+    a notebook beside them would take as long as the load made it (its limits are the machine's speed then)."""
+    if _notebooks and _uses(item, "ranks") and _notebooks[0].rank_tests_started_at is None:
+        _notebooks[0].wait_all()
+        _notebooks[0].rank_tests_started_at = time.time()
 
 
 def pytest_sessionfinish(session):

@@ -4,12 +4,13 @@
 
 Each notebook runs in a Jupyter kernel on this interpreter (the test environment's python, whatever
 kernelspecs are installed elsewhere), with the notebooks folder as its working directory. When one is done,
-``RESULTS_DIR/<notebook name>.json`` holds ``{"error": traceback or null, "seconds": wall time}``, written
-whole (a rename), so a reader never sees half a file.
+``RESULTS_DIR/<notebook name>.json`` holds ``{"error": traceback or null, "seconds": wall time, "finished_at":
+time.time()}``, written whole (a rename), so a reader never sees half a file.
 
 The test session starts it once, right after collection (``tests/conftest.py``): the notebooks' kernels
-then compute on the core the session's own single-process tests leave idle, and each notebook test only
-reads its result (:func:`result_of`).
+then compute on the core the session's own single-process tests leave idle; the first test on gloo ranks
+waits until they are done (:func:`wait_all`), so a notebook never shares the cores with a rank pool at work.
+Each notebook test only reads its result (:func:`result_of`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
             error = traceback.format_exc()
         out = _result_path(results_dir, path)
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"error": error, "seconds": time.perf_counter() - started}))
+        tmp.write_text(json.dumps({"error": error, "seconds": time.perf_counter() - started, "finished_at": time.time()}))
         os.replace(tmp, out)
     return 0
 
@@ -69,6 +70,7 @@ class BackgroundNotebooks:
 
     def __init__(self, notebooks: list[Path], results_dir: Path):
         self.notebooks, self.results_dir = list(notebooks), results_dir
+        self.rank_tests_started_at: float | None = None  # time.time() when the session's first rank test began
         self.log = results_dir / "runner.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -90,6 +92,14 @@ class BackgroundNotebooks:
                 raise AssertionError(f"{notebook.name} has no result after its time ran out:\n{self.log.read_text()}")
             time.sleep(0.5)
         return json.loads(out.read_text())
+
+    def wait_all(self) -> None:
+        """Return once the runner is done with every notebook, or once the time they may all take has run out
+        (then :meth:`result_of` reports the notebooks left without a result)."""
+        try:
+            self.proc.wait(timeout=SECONDS_PER_NOTEBOOK * len(self.notebooks) + 60)
+        except subprocess.TimeoutExpired:
+            self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,8 +1,8 @@
 """Tier 3: every notebook in notebooks/ runs top to bottom on CPU, and is committed without outputs.
 
 The notebooks run in a process of their own, started right after collection (``tests/notebook_runner.py``,
-``tests/conftest.py``), beside the rest of the session; each test here reads its notebook's result. A cell
-that raises fails the test with that cell's traceback.
+``tests/conftest.py``), beside the session's single-process tests and before its first test on gloo ranks; each
+test here reads its notebook's result. A cell that raises fails the test with that cell's traceback.
 """
 
 from pathlib import Path
@@ -37,3 +37,6 @@ def test_notebook_runs_top_to_bottom(path, notebooks_in_background):
     result = notebooks_in_background.result_of(path)
     assert result["error"] is None, f"{path.name} stopped:\n{result['error']}"
     assert result["seconds"] < SECONDS_PER_NOTEBOOK, f"{path.name} took {result['seconds']:.0f} s"
+    # it ran while no rank pool was at work: it finished before the session's first test on gloo ranks began
+    started = notebooks_in_background.rank_tests_started_at
+    assert started is None or result["finished_at"] <= started, (path.name, result["finished_at"], started)
