@@ -41,16 +41,18 @@ from fsdp_pass.transform import FSDP
 
 def measured_against_predicted(jm, x, y, device, repeats: int = 3) -> Measured:
     """More forward + backward passes, measured: bytes handed to the process group, peak tensor memory."""
-    peaks, scratch = [], []
+    peaks, recorded, scratch = [], [], []
     for _ in range(repeats):
         jm.zero_grad(set_to_none=True)
         with CollectiveBytes() as sent:
             allocations = allocated_during(lambda: jm(x, y).backward(), device)
         peaks.append(allocations.peak_bytes)
+        recorded.append(allocations.recorded_peak_bytes)
         scratch.append(allocations.process_group_peak_bytes)
     jm.zero_grad(set_to_none=True)
     e = explain(jm)
-    return Measured(sent.bytes_sent_per_rank, e.bytes_per_rank, tuple(peaks), e.memory.step.peak_bytes, max(scratch))
+    return Measured(sent.bytes_sent_per_rank, e.bytes_per_rank, tuple(peaks), e.memory.step.peak_bytes, max(scratch),
+                    tuple(recorded))
 
 
 def _arguments(argv):

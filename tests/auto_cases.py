@@ -26,7 +26,8 @@ def auto_parity(model_name: str, steps: int = 3):
     free = fsdp.unit_plan
     cost = DEFAULTS["cpu-gloo"]
     budget = (smallest_peak(free.auto.summary, cost, offload=False).peak_bytes + free.auto.prediction.peak_bytes) // 2
-    out = rank_cases.parity(model_name, "auto", steps=steps, keep_model=True, cost="cpu-gloo", memory_budget=budget)
+    out = rank_cases.parity(model_name, "auto", steps=steps, keep_model=True, cost="cpu-gloo", memory_budget=budget,
+                            measure_step=True)
     auto = rank_cases.fsdp_of(out.pop("jm")).unit_plan.auto
     return out | {
         "budget": budget,

@@ -14,7 +14,7 @@ from thunder.extend import get_executor
 from fsdp_pass import FSDP, MixedPrecision, explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
 from fsdp_pass.op_names import REDUCE_SCATTER
 from fsdp_pass.plan.layout import ShardLayout, shard_tensor
-from fsdp_pass.report.measure import CollectiveBytes
+from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass.shard.global_view import gather_full
 from tests import models
 
@@ -116,6 +116,7 @@ def parity(
     keep_model: bool = False,
     loss_scale: float = 1.0,
     same_batch_on_every_rank: bool = False,
+    measure_step: bool = False,
     **fsdp_kwargs,
 ):
     """Train the FSDP model and a single-process reference on the same global batches; report errors.
@@ -124,6 +125,8 @@ def parity(
     ``loss_scale``: both sides backpropagate the loss times this (gradients compared as they come, scaled).
     ``same_batch_on_every_rank``: every rank's slice of the global batch is the first rank's (so the ranks'
     gradients are equal, and their sum is N times each).
+    ``measure_step``: after training, one more forward + backward (the loss too) measured by torch's profiler
+    (:func:`measured_step_memory`), next to explain()'s prediction.
 
     ``compute_dtype``, ``reduce_dtype``: the reference computes like ``MixedPrecision(compute_dtype,
     reduce_dtype)`` (pass the matching ``mixed_precision=`` in ``fsdp_kwargs``).
@@ -200,6 +203,9 @@ def parity(
         opt.step()
         ref_opt.step()
 
+    measured = {} if not measure_step else measured_step_memory(
+        jm, opt, model_name, _local(x, rank, world_size), _local(y, rank, world_size)
+    )
     # after training, the gathered parameters equal the reference's
     full = full_state_dict(jm)
     param_err = _worst(_rel(full[n], p.detach()) for n, p in ref_params.items())
@@ -227,6 +233,22 @@ def parity(
         # where each collective is issued and waited for in this rank's final traces
         "schedule": [(r.phase, r.kind, r.unit, r.issued_at, r.waited_at) for r in fsdp.overlap_report().rows],
         "exposed": [(r.phase, r.kind, r.unit) for r in fsdp.overlap_report().exposed()],
+    } | measured
+
+
+def measured_step_memory(jm, opt, model_name: str, x, y) -> dict:
+    """One forward + backward of ``jm`` (its loss computed outside, as the tests' models need) with the gradients
+    set to None first, under torch's profiler: the peak above the start (lost frees put back, and as recorded),
+    what lives through it (the shards, AdamW's state), and explain()'s prediction of the step's peak."""
+    opt.zero_grad(set_to_none=True)
+    allocations = allocated_during(lambda: models.loss_fn(model_name, jm(x), y).backward())
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {
+        "measured_step_peak": allocations.peak_bytes,
+        "recorded_step_peak": allocations.recorded_peak_bytes,
+        "predicted_step_peak": explain(jm).memory.step.peak_bytes,
+        "shard_bytes": sum(p.numel() * p.element_size() for p in jm.parameters()),
+        "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state),
     }
 
 

@@ -17,7 +17,7 @@ from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.step_model import Candidate, UnitCost, peak_of, predict, unit_costs
 from fsdp_pass.plan.step_summary import Piece, StepSummary
 from fsdp_pass.report.text import human_bytes
-from tests import auto_cases, explain_cases
+from tests import auto_cases, explain_cases, tolerances
 from tests.dry_runs import model_dry_run
 
 MiB = 2**20
@@ -276,10 +276,22 @@ def test_hand_written_plans_are_priced_by_the_model_the_auto_plan_uses():
         checkpointed.predict_step()
 
 
-def test_auto_plan_trains_like_one_process_on_gloo_ranks(ranks):
-    r = ranks(2).run(auto_cases.auto_parity, "gpt2_tied")
+@pytest.fixture(scope="module")
+def auto_run(ranks):
+    """A tiny GPT-2 planned with a budget between the smallest peak and the unbounded plan's, trained on 2 gloo
+    ranks against one process, and one more step measured (tests/auto_cases.py)."""
+    return ranks(2).run(auto_cases.auto_parity, "gpt2_tied")
+
+
+def _measured_total(x) -> int:
+    """What a rank held at the measured step's peak: its shards, AdamW's two states and the step's tensors."""
+    return x["shard_bytes"] + x["optimizer_state_bytes"] + x["measured_step_peak"]
+
+
+def test_auto_plan_trains_like_one_process_on_gloo_ranks(auto_run):
+    r = auto_run
     for x in r:
-        assert x["loss_rel_err"] < 1e-5 and x["grad_rel_err"] < 1e-5, x
+        assert x["loss_rel_err"] < 1e-5 and x["grad_rel_err"] < 1e-5 and x["local_loss_rel_err"] < 1e-5, x
         assert x["losses"][-1] < x["losses"][0]
         assert x["unit_names"] == r[0]["unit_names"] and x["reshard"] == r[0]["reshard"]
         # given other cost inputs, every rank planned with rank 0's: the same units
@@ -287,6 +299,23 @@ def test_auto_plan_trains_like_one_process_on_gloo_ranks(ranks):
     first = r[0]
     assert first["predicted_peak"] <= first["budget"] < first["unbounded_peak"]
     assert (first["unit_names"], first["reshard"]) != (first["unbounded_units"], first["unbounded_reshard"])
+    # the check the README gives for a plan (explain() reads the traces' peak): the measured step is the traced
+    # one (measured 936-952 B below it; the loss, outside this model, allocates outside every trace), and the
+    # traces' verdict against the budget is the measurement's
+    for x in r:
+        assert abs(x["measured_step_peak"] - x["predicted_step_peak"]) <= 2 * tolerances.PEAK_BYTES, x
+        traced = x["shard_bytes"] + x["optimizer_state_bytes"] + x["predicted_step_peak"]
+        assert (traced <= x["budget"]) == (_measured_total(x) <= x["budget"]), (traced, _measured_total(x), x)
+
+
+@pytest.mark.xfail(strict=True, reason="the planner's step model predicts 121,568 B for the plan it picks, the traces "
+                   "148,736 B: measured 147,800 B > the 122,544 B budget (issue 43 item 3)")
+def test_the_auto_plans_measured_peak_is_within_its_budget(auto_run):
+    """What FSDP('auto', memory_budget=...) promises a user: the step, measured, peaks within the budget. Today the
+    planner's model under-predicts this tiny GPT-2 by about 18 % and picks a plan over budget (strict: this test
+    fails once that is fixed, so the marker must go)."""
+    for x in auto_run:
+        assert _measured_total(x) <= x["budget"], (_measured_total(x), x["budget"], x["predicted_peak"])
 
 
 def test_cli_exits_non_zero_naming_the_smallest_budget_that_fits(capsys):

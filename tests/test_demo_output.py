@@ -115,11 +115,12 @@ def test_progress_is_one_line_per_step_in_a_log_and_rewritten_in_place_on_a_term
 
 def test_summary_reports_loss_first_to_last_time_after_compile_and_waiting():
     measured = Measured(bytes_sent=1000.0, bytes_predicted=1000.0, peak_bytes=(5000, 5000), peak_predicted=4990,
-                        scratch_bytes=64)
+                        scratch_bytes=64, recorded_peak_bytes=(5000, 7000))
     lines = summary_lines([4.0, 3.0, 2.5, 2.0], [7.0, 0.010, 0.020, 0.030], wait_seconds=0.015, measured=measured)
     text = "\n".join(lines)
     assert "4.0000 -> 2.0000 over 4 steps" in text
     assert "20.0 ms over steps 2-4" in text and "7,000 ms" in text  # the compile step is not averaged in
     assert "5.0 ms per step (25%)" in text
     assert "5,000 B measured" in text and "4,990 B predicted" in text and "+10 B" in text
+    assert "as the profiler recorded them: 5,000 / 7,000 B" in text  # the raw figures beside the re-timed ones
     assert "only the first step ran" in "\n".join(summary_lines([4.0], [7.0], 0.0))

@@ -16,7 +16,7 @@ from fsdp_pass.predicates import is_all_gather
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.memory import GATHERED, KINDS, live_by_kind_over_step, live_over_step, step_memory
 from fsdp_pass.report.text import human_bytes, human_count
-from tests import explain_cases
+from tests import explain_cases, tolerances
 from tests.dry_runs import model_dry_run
 
 
@@ -39,11 +39,13 @@ def test_predicted_bytes_match_a_gloo_run(measured_and_dry):
 
 
 def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
-    """Every measured step's tensors peak where the traces say, to within 1 % (a few bytes, in practice).
+    """Every measured step's tensors peak where the traces say, to within 1 KiB of 1.4 MB (the README's figure;
+    measured: ZeRO-3 4-20 B above the prediction, ZeRO-2 496-512 B below it).
 
     gloo's worker thread sometimes frees a collective's buffers where the profiler does not see it;
     ``allocated_during`` puts those frees at the collective's wait (see fsdp_pass/report/measure.py). Before it
-    did, one step in five measured a send buffer or two too many.
+    did, one step in five measured a send buffer or two too many: the peaks as the profiler recorded them are
+    reported beside (up to 400 KB more, now and then), never below.
     """
     _, measured, dry = measured_and_dry
     e = dry.explanation
@@ -51,7 +53,8 @@ def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
     for r in measured:
         assert r["predicted_peak"] == predicted
         peaks = r["measured_peaks"]
-        assert all(abs(p - predicted) <= 0.01 * predicted for p in peaks), (peaks, predicted)
+        assert all(abs(p - predicted) <= tolerances.PEAK_BYTES for p in peaks), (peaks, predicted)
+        assert all(raw >= p for raw, p in zip(r["recorded_peaks"], peaks)), (r["recorded_peaks"], peaks)
     peak_kinds = dry.explanation.memory.step.peak_by_kind
     assert peak_kinds.get(GATHERED, 0) > 0, peak_kinds
 

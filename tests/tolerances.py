@@ -12,6 +12,9 @@ wrong gradient of a small bias or norm weight shows; a norm over all of them wou
   at the first step (both sides hold the same weights then; later steps drift apart as AdamW turns the
   roundings into different updates, and the losses carry the trajectory).
 - :data:`CUDA`: float32 on a GPU, where the fused kernels and the attention kernel round differently.
+
+:data:`PEAK_BYTES`: how far a measured step's peak (torch's profiler, lost frees put back) may lie from
+explain()'s prediction read off the traces: the README's "within 1 KiB".
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 FLOAT32 = 1e-5
 SAME_CASTS = 1e-6
 CUDA = 1e-4
+PEAK_BYTES = 1024
 _EPSILON = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 

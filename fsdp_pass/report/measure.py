@@ -8,7 +8,8 @@ sends for them (ring model, over each call's group).
 ``allocated_during(fn) -> Allocations``: run ``fn()`` under torch's profiler with memory profiling on
 and replay every allocation and free of the window in time order. It sees every tensor allocation of
 the device's allocator (on CPU too, where torch keeps no memory statistics), including scratch memory
-inside ops that no trace shows.
+inside ops that no trace shows. Its peak comes twice: as the profiler recorded the events
+(``recorded_peak_bytes``) and with the frees it lost put back (``peak_bytes``, below).
 
 Allocations made inside the process group's own calls (profiler ops named ``c10d::...`` or
 ``gloo:...``) are counted apart: gloo copies each collective's full buffer into scratch memory, on the
@@ -159,9 +160,10 @@ class _CollectiveBuffers:
 
 @dataclass(frozen=True)
 class Allocations:
-    peak_bytes: int  # tensors of the step: highest point above the start of the window
+    peak_bytes: int  # tensors of the step: highest point above the start of the window, lost frees put back
     net_bytes: int  # tensors of the step still live at the end of the window
     process_group_peak_bytes: int  # allocated inside process-group calls, highest point
+    recorded_peak_bytes: int = 0  # tensors of the step: highest point of the events as the profiler recorded them
 
 
 def _walk(nodes):
@@ -221,7 +223,27 @@ def allocated_during(fn, device: str | torch.device = "cpu") -> Allocations:
     step, group = replay(events, [[ptr for ptr, _ in blocks] for blocks in buffers.blocks], buffers.gone())
     peak, net = _peak(step)
     group_peak, _ = _peak(group)
-    return Allocations(peak, net, group_peak)
+    recorded_peak, _ = _peak(as_recorded(events))
+    return Allocations(peak, net, group_peak, recorded_peak)
+
+
+def as_recorded(events) -> list[int]:
+    """The step's allocations and frees (negative) exactly as the profile recorded them, in time order: nothing
+    put back, nothing inferred (a block freed where the profiler did not see it stays live to the end). Blocks
+    allocated inside process-group calls are left out, as in :func:`replay`."""
+    inside: dict[int, bool] = {}  # address -> whether the block live there was allocated inside the group
+    step = []
+    for e in events:
+        if e.kind != "memory":
+            continue
+        if e.nbytes > 0:
+            inside[e.address] = e.inside_group
+            in_group = e.inside_group
+        else:
+            in_group = inside.pop(e.address, e.inside_group)
+        if not in_group:
+            step.append(e.nbytes)
+    return step
 
 
 def _mark_event(name: str) -> MemoryEvent:

@@ -51,9 +51,10 @@ class Measured:
 
     bytes_sent: float  # handed to the process group, per pass
     bytes_predicted: float
-    peak_bytes: tuple[int, ...]  # peak tensor memory of each pass
+    peak_bytes: tuple[int, ...]  # peak tensor memory of each pass (frees the profiler lost put back)
     peak_predicted: int
     scratch_bytes: int  # the process group's own copies, which neither side counts
+    recorded_peak_bytes: tuple[int, ...] = ()  # the same peaks from the profiler's events as recorded
 
     def lines(self) -> list[str]:
         peaks = sorted(set(self.peak_bytes))
@@ -62,6 +63,8 @@ class Measured:
             f"  peak memory    {measured} measured in each of {len(self.peak_bytes)} more forward + backward "
             f"passes, {self.peak_predicted:,} B predicted ({human_bytes(self.peak_predicted)}, "
             f"{max(self.peak_bytes) - self.peak_predicted:+,} B)",
+            *([f"                 as the profiler recorded them: {' / '.join(f'{p:,}' for p in self.recorded_peak_bytes)} B "
+               "(the frees it lost are put back above, at their collective's wait)"] if self.recorded_peak_bytes else []),
             f"  bytes sent     {self.bytes_sent:,.0f} B per pass measured, {self.bytes_predicted:,.0f} B predicted "
             f"(not counted: the process group's own scratch copies, up to {human_bytes(self.scratch_bytes)})",
         ]
