@@ -199,8 +199,8 @@ class FSDP(Transform):
             self.options.offload_to,
             self.options.mixed_precision,
         )
-        check_and_cast_inputs_on_call(model, self)
         self.argument_names = positional_names(model._model)  # for the errors that name an input
+        check_and_cast_inputs_on_call(model, self)
         if self.options.auto is not None:  # every rank plans from rank 0's cost inputs and budget
             settings = agreed_settings(self.options.auto, self.model.device, groups.everyone)
             self.options = replace(self.options, auto=settings)

@@ -69,7 +69,7 @@ def policy_input(computation, param_of_arg: dict[str, str], sharding: ShardingPl
         tree=tree if tree is not None else ModuleTree.flat(p.name for p in sharding.params),
         order=order,
         first_use={p: uses[p][0] for p in order},
-        nbytes={p: sharding.param(p).layout.numel * sharding.param(p).itemsize for p in order},
+        nbytes={p: sharding.param(p).nbytes() for p in order},
     ), uses
 
 

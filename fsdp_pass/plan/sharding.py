@@ -52,6 +52,10 @@ class ParamSpec:
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """The whole (unsharded) parameter's bytes in ``dtype``, e.g. as mixed precision gathers it (None: its own)."""
+        return self.layout.numel * (self.itemsize if dtype is None else dtype.itemsize)
+
     @property
     def is_tied(self) -> bool:
         return self.shard_of != self.name

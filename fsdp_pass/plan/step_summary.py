@@ -192,8 +192,7 @@ def summarize(
                                                      frozenset(t.name for t in outputs))
 
     def nbytes(params, dtype) -> int:
-        return sum(sharding.param(p).layout.numel * (dtype.itemsize if dtype else sharding.param(p).itemsize)
-                   for p in params)
+        return sum(sharding.param(p).nbytes(dtype) for p in params)
 
     pieces = tuple(
         Piece(

@@ -497,15 +497,14 @@ def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision
     gather_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
 
     def nbytes(dtype, specs) -> int:
-        return sum(p.layout.numel * (p.itemsize if dtype is None or not p.dtype.is_floating_point else dtype.itemsize)
-                   for p in specs)
+        return sum(p.nbytes(dtype if p.dtype.is_floating_point else None) for p in specs)
 
     return Explanation(
         plan,
         _unit_rows(plan, step_overlap(step).rows if step is not None else ()),
         memory,
         step_stats(step.forward, step.backward, plan.sharding.world_size) if step is not None else None,
-        sum(p.layout.numel * p.itemsize for p in owners),
+        sum(p.nbytes() for p in owners),
         _options(plan, precision, offload_to),
         step is not None and _made_under_no_sync(step),
         nbytes(gather_dtype, owners),

@@ -1,4 +1,4 @@
-"""Mixed precision's ``cast_forward_inputs``: the model's floating inputs reach the compiled step in ``param_dtype``.
+"""Where every call's inputs enter the jitted model: checked, and cast to mixed precision's ``param_dtype``.
 
 FSDP2 casts the floating tensors among a root module's inputs to ``param_dtype`` before its forward runs, so the
 module's code starts from them. Here the same happens one step earlier, before the jitted module's compiled step
@@ -27,7 +27,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from fsdp_pass.plan.mixed_precision import MixedPrecision
-from fsdp_pass.shard.input_checks import check_input_devices, explain_trace_failure, named_tensors, positional_names
+from fsdp_pass.shard.input_checks import check_input_devices, explain_trace_failure, named_tensors
 
 
 def cast_floating_inputs(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -68,7 +68,7 @@ def _tracing_failed(stats, call_started: int) -> bool:
 def check_and_cast_inputs_on_call(thunder_module, fsdp) -> None:
     """Step 2: every call of the jitted module checks, casts (when ``fsdp``'s mixed precision does) and explains."""
     compiled_forward = type(thunder_module).forward
-    names = positional_names(thunder_module._model)
+    names = fsdp.argument_names  # the module's positional forward parameters, read once when it was sharded
 
     def forward(*args, **kwargs):
         precision = fsdp.options.mixed_precision
