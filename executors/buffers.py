@@ -8,8 +8,9 @@ In a printed execution trace they read ``fsdp_pack_shards``, ``fsdp_unpack_gathe
   communication stream, after it waits for the compute stream, so the copy runs while the compute stream
   goes on and the all-gather that reads the buffer follows it on the same stream.
 - Unpacking a gathered buffer copies each parameter out of the rank-major layout with one
-  ``split_with_sizes_copy`` (one kernel on CUDA); padding rows are dropped as a view of a prefix. At world
-  size 1 (and for a one-parameter unit) it copies nothing: the parameters are views of the buffer.
+  ``split_with_sizes_copy`` (one kernel on CUDA); padding rows are dropped as a view of a prefix. Only a
+  one-parameter unit copies nothing (its parameter is a view of the buffer); a unit of several parameters is
+  copied out at every world size, world size 1 included (:func:`fsdp_pass.ops.flat_buffers.unpack_is_view`).
 - Packing gradients lays each out as (world size, shard elements) column blocks of one buffer in the reduce
   dtype: one ``cat`` into it (casting on the way) when no parameter has padding rows, else a copy per
   parameter with its padding rows zeroed. Unpacking the reduced shard divides it in place (by the number of
