@@ -49,8 +49,8 @@ def pytest_collection_finish(session):
         get_pool(2)
     # the notebooks the session will test start running now, in a process of their own: their kernels compute
     # mostly on one core, beside this process's single-process tests, which leave the other one idle
-    notebooks = [item.callspec.params["path"] for item in session.items
-                 if "notebooks_in_background" in getattr(item, "fixturenames", ())]
+    notebooks = list(dict.fromkeys(item.callspec.params["path"] for item in session.items  # each once, in order
+                                   if "notebooks_in_background" in getattr(item, "fixturenames", ())))
     if notebooks:
         _notebooks.append(BackgroundNotebooks(notebooks, Path(tempfile.mkdtemp(prefix="fsdp_pass_notebooks_"))))
 

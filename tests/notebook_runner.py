@@ -1,22 +1,34 @@
-"""Execute notebooks top to bottom, one after the other, in a process of their own beside the test session.
+"""Execute notebooks top to bottom, one after the other, in a process of their own beside the test session; or
+write their outputs into them.
 
+    python -m tests.notebook_runner --write [NOTEBOOK ...]     # run them (default: all) and commit what they print
     python -m tests.notebook_runner RESULTS_DIR NOTEBOOK [NOTEBOOK ...]
 
 Each notebook runs in a Jupyter kernel on this interpreter (the test environment's python, whatever
-kernelspecs are installed elsewhere), with the notebooks folder as its working directory. When one is done,
-``RESULTS_DIR/<notebook name>.json`` holds ``{"error": traceback or null, "seconds": wall time, "finished_at":
-time.time()}``, written whole (a rename), so a reader never sees half a file.
+kernelspecs are installed elsewhere), with the notebooks folder as its working directory.
+
+``--write`` puts each notebook's fresh outputs (text, tables, plots) into the notebook file itself: the
+notebooks are committed with them, so they read without running. With a results folder, when one notebook is
+done, ``RESULTS_DIR/<notebook name>.json`` holds ``{"error": traceback or null, "seconds": wall time,
+"finished_at": time.time(), "executed": the executed copy's path}``, written whole (a rename), so a reader never
+sees half a file; the executed copy is what ``tests/test_notebooks.py`` holds the committed outputs against
+(:func:`differences`).
 
 The test session starts it once, right after collection (``tests/conftest.py``): the notebooks' kernels
 then compute on the core the session's own single-process tests leave idle; the first test on gloo ranks
 waits until they are done (:func:`wait_all`), so a notebook never shares the cores with a rank pool at work.
 Each notebook test only reads its result (:func:`result_of`).
+
+A code cell whose first line starts with ``# timing-dependent output`` prints what depends on this machine's
+speed (a measured step, a probe, how long something took): its outputs are committed but not compared.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,8 +39,16 @@ from pathlib import Path
 SECONDS_PER_NOTEBOOK = 240
 
 
-def execute(path: Path) -> None:
-    """Run the notebook at ``path``; a cell that raises raises here (CellExecutionError, with its traceback)."""
+TIMING_MARK = "# timing-dependent output"
+NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+# Thunder's warning that an optional GPU executor is missing: noise in a committed notebook
+_NOISE = re.compile(r"^.*transformer_engine module not found!.*\n(\s*warnings\.warn\(.*\n)?", re.M)
+
+
+def execute(path: Path):
+    """Run the notebook at ``path`` and return it with its outputs (consecutive prints of a cell joined into one
+    output, Thunder's missing-executor warning left out); a cell that raises raises here (CellExecutionError,
+    with its traceback)."""
     import nbformat
     from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
     from jupyter_client.manager import KernelManager
@@ -41,8 +61,82 @@ def execute(path: Path) -> None:
 
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", kernel_spec_manager=ThisInterpreter())
-    client = NotebookClient(nb, km=km, timeout=SECONDS_PER_NOTEBOOK, resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, km=km, timeout=SECONDS_PER_NOTEBOOK, record_timing=False,
+                            resources={"metadata": {"path": str(path.parent)}})
     client.execute()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = _tidy(cell.outputs)
+    return nb
+
+
+def _tidy(outputs: list) -> list:
+    out = []
+    for o in outputs:
+        if o.output_type == "stream":
+            o.text = _NOISE.sub("", o.text) if o.name == "stderr" else o.text
+            if not o.text:
+                continue
+            if out and out[-1].output_type == "stream" and out[-1].name == o.name:
+                out[-1].text += o.text
+                continue
+        out.append(o)
+    return out
+
+
+def is_timing_dependent(cell) -> bool:
+    return cell.source.lstrip().startswith(TIMING_MARK)
+
+
+def _printed(cell) -> list[tuple[str, str]]:
+    """What a code cell showed, as compared: each output's kind, and its text (stdout, a result's plain text,
+    an error) unless the cell is timing-dependent; stderr and the pixels of plots are not compared."""
+    shown = []
+    for o in cell.outputs:
+        if o.output_type == "stream":
+            if o.name == "stdout":
+                shown.append(("stdout", "" if is_timing_dependent(cell) else o.text))
+        elif o.output_type == "error":
+            shown.append(("error", o.ename))
+        else:
+            text = re.sub(r"0x[0-9a-f]+", "0x...", o.data.get("text/plain", ""))
+            kinds = ",".join(sorted(k for k in o.data if k != "text/plain"))
+            shown.append((f"{o.output_type} {kinds}", "" if is_timing_dependent(cell) else text))
+    return shown
+
+
+def differences(committed, fresh) -> list[str]:
+    """How the committed notebook's outputs differ from a fresh run's, cell by cell (empty: they match)."""
+    a = [c for c in committed.cells if c.cell_type == "code"]
+    b = [c for c in fresh.cells if c.cell_type == "code"]
+    if [c.source for c in a] != [c.source for c in b]:
+        return ["the code cells differ from those that ran"]
+    out = []
+    for i, (ca, cb) in enumerate(zip(a, b)):
+        pa, pb = _printed(ca), _printed(cb)
+        if pa == pb:
+            continue
+        first = ca.source.splitlines()[0] if ca.source else ""
+        if [k for k, _ in pa] != [k for k, _ in pb]:
+            out.append(f"code cell {i} ({first!r}): committed outputs {[k for k, _ in pa]}, a fresh run shows "
+                       f"{[k for k, _ in pb]}")
+            continue
+        for (kind, ta), (_, tb) in zip(pa, pb):
+            if ta != tb:
+                diff = difflib.unified_diff(ta.splitlines(), tb.splitlines(), "committed", "fresh run", lineterm="", n=1)
+                out.append(f"code cell {i} ({first!r}), {kind}:\n" + "\n".join(list(diff)[:40]))
+    return out
+
+
+def write(paths: list[Path]) -> None:
+    """Run each notebook and write its outputs into it."""
+    import nbformat
+
+    for path in paths:
+        started = time.perf_counter()
+        nb = execute(path)
+        nbformat.write(nb, path)
+        print(f"{path.name}: {time.perf_counter() - started:.0f} s, outputs written", flush=True)
 
 
 def _result_path(results_dir: Path, notebook: Path) -> Path:
@@ -50,17 +144,24 @@ def _result_path(results_dir: Path, notebook: Path) -> Path:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--write"]:
+        write([Path(p) for p in argv[1:]] or sorted(NOTEBOOKS_DIR.glob("*.ipynb")))
+        return 0
+    import nbformat
+
     results_dir, notebooks = Path(argv[0]), [Path(p) for p in argv[1:]]
     for path in notebooks:
         started = time.perf_counter()
+        executed = results_dir / path.name
         try:
-            execute(path)
+            nbformat.write(execute(path), executed)
             error = None
         except BaseException:  # noqa: BLE001 - the test reports whatever stopped the notebook
             error = traceback.format_exc()
         out = _result_path(results_dir, path)
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"error": error, "seconds": time.perf_counter() - started, "finished_at": time.time()}))
+        tmp.write_text(json.dumps({"error": error, "seconds": time.perf_counter() - started, "finished_at": time.time(),
+                                   "executed": str(executed)}))
         os.replace(tmp, out)
     return 0
 
