@@ -4,7 +4,10 @@ In a printed execution trace they read ``fsdp_pack_shards``, ``fsdp_unpack_gathe
 ``fsdp_unpack_grad_shard``. Being this executor's ops, no fusion executor takes them into a fusion region.
 
 - Packing copies each shard into its slice of one flat buffer, casting on the way (one pass, no second
-  copy for mixed precision). Shards offloaded to pinned host memory are copied to the GPU on the
+  copy for mixed precision). That flat buffer is this rank's slice of the whole gathered buffer, which
+  packing allocates (on the compute stream) and hands on as the slice's ``GATHERED_BUFFER`` attribute; the
+  all-gather (:mod:`fsdp_pass_executors.collectives`) fills it in place around the slice, so no send buffer
+  lives beside the gathered one. Shards offloaded to pinned host memory are copied to the GPU on the
   communication stream, after it waits for the compute stream, so the copy runs while the compute stream
   goes on and the all-gather that reads the buffer follows it on the same stream.
 - Unpacking a gathered buffer copies each parameter out of the rank-major layout with one
@@ -26,7 +29,7 @@ from __future__ import annotations
 from math import prod
 
 import torch
-from fsdp_pass_executors.collectives import comm_ex, communication_stream
+from fsdp_pass_executors.collectives import GATHERED_BUFFER, comm_ex, communication_stream
 from thunder.core.dtypes import to_torch_dtype
 
 from fsdp_pass.op_names import PACK_GRADS_OP, PACK_SHARDS_OP, UNPACK_GATHERED_OP, UNPACK_GRAD_SHARD_OP
@@ -48,22 +51,25 @@ def _copy_into_slices(flat: torch.Tensor, shards) -> None:
         offset += s.numel()
 
 
-def pack_shards_impl(shards, unit: str, dtype, device) -> torch.Tensor:
+def pack_shards_impl(shards, unit: str, dtype, device, group=None) -> torch.Tensor:
+    """``group`` None: a flat buffer of the shards alone (no gather around it)."""
     dtype, device = _torch_dtype(dtype) or shards[0].dtype, _torch_device(device) or shards[0].device
     if fb.pack_is_view(len(shards), cast=shards[0].dtype != dtype, moved=shards[0].device != device):
         return shards[0].reshape(-1)
     numel = sum(s.numel() for s in shards)
+    ranks, rank = (1, 0) if group is None else (group.size(), group.rank())
+    gathered = torch.empty(ranks * numel, dtype=dtype, device=device)  # on the compute stream, which reads it
+    flat = gathered[rank * numel : (rank + 1) * numel]
+    setattr(flat, GATHERED_BUFFER, gathered)  # its own base: keeps nothing alive that the slice does not
     if device.type == "cuda" and shards[0].device.type == "cpu":  # offloaded: copy on the side stream
         compute, comm = torch.cuda.current_stream(device), communication_stream(device)
         comm.wait_stream(compute)
         with torch.cuda.stream(comm):
-            flat = torch.empty(numel, dtype=dtype, device=device)
             _copy_into_slices(flat, shards)
-        return flat
-    if all(s.dtype == dtype for s in shards):
-        return torch.cat([s.reshape(-1) for s in shards]).to(device)
-    flat = torch.empty(numel, dtype=dtype, device=device)
-    _copy_into_slices(flat, shards)
+    elif all(s.dtype == dtype and s.device == device for s in shards):
+        torch.cat([s.reshape(-1) for s in shards], out=flat)
+    else:
+        _copy_into_slices(flat, shards)
     return flat
 
 

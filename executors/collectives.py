@@ -5,7 +5,8 @@ reduced shard over its replicas) and ``wait``; in a printed execution trace they
 ``fsdp_reduce_scatter(...)``, ``fsdp_all_reduce(...)``, ``fsdp_wait(...)``.
 
 1. Issue (``fsdp_all_gather`` / ``fsdp_reduce_scatter`` / ``fsdp_all_reduce``): allocate the output where the
-   input lives (an all-reduce asked to skip the clone sums in place), start the collective with
+   input lives (an all-reduce asked to skip the clone sums in place; an all-gather of shards packed into
+   their slice of the gathered buffer, :data:`GATHERED_BUFFER`, fills that buffer in place), start the collective with
    ``async_op=True`` and return an :class:`InFlight`: the work handle, the output, and the input. The
    trace's ``del`` of the input after the issue then frees nothing: the handle keeps every buffer the
    collective reads or writes alive until its wait.
@@ -143,8 +144,17 @@ def _resized(a: torch.Tensor, group, grow: bool) -> torch.Tensor:
     return torch.empty((rows, *a.shape[1:]), dtype=a.dtype, device=a.device)
 
 
+# the attribute of a packed buffer (``pack_shards``' result, this rank's slice of the gathered buffer) that holds the
+# whole gathered buffer, which its all-gather fills in place
+GATHERED_BUFFER = "fsdp_gathered_buffer"
+
+
 def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None):
-    out = _resized(a, group, grow=True)
+    out = getattr(a, GATHERED_BUFFER, None)
+    if out is None or out.numel() != a.numel() * group.size():
+        out = _resized(a, group, grow=True)
+    else:
+        out = out.view((a.shape[0] * group.size(), *a.shape[1:]))
     flight = _issue(lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True), out, a, ALL_GATHER)
     return flight if do_async else _wait_impl(flight)
 

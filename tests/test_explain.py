@@ -12,9 +12,16 @@ import torch
 from fsdp_pass import FSDP, FSDPError, explain, fake_process_group
 from fsdp_pass.__main__ import main
 from fsdp_pass.models import zoo
-from fsdp_pass.predicates import is_all_gather
+from fsdp_pass.predicates import is_pack_shards
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.report.memory import GATHERED, KINDS, live_by_kind_over_step, live_over_step, step_memory
+from fsdp_pass.report.memory import (
+    GATHERED,
+    KINDS,
+    is_collective_output,
+    live_by_kind_over_step,
+    live_over_step,
+    step_memory,
+)
 from fsdp_pass.report.text import human_bytes, human_count
 from tests import explain_cases, tolerances
 from tests.dry_runs import model_dry_run
@@ -136,15 +143,20 @@ def test_dry_run_refuses_a_model_with_storage():
 
 
 def test_memory_prediction_follows_views_and_lifetimes():
-    """A gathered buffer lives from its all-gather to the last use of any view cut from it."""
+    """A gathered buffer lives from its all-gather (from the pack op, which packs into its slice) to the last use
+    of any view cut from it."""
     dry = model_dry_run(8, "zero3")
     m = step_memory(dry.forward, dry.backward)
-    gather_outputs = {b.output.name for b in dry.forward.bound_symbols if is_all_gather(b)}
-    gathered = [b for b in m.forward.buffers if b.name in gather_outputs]
+    gathered = [b for b in m.forward.buffers if is_collective_output(b)]
     assert len(gathered) == len(dry.explanation.units)  # one buffer per unit: its all-gather's
     assert all(b.kind == GATHERED and b.start < b.end for b in gathered)
+    # a unit of several shards packs them into its slice of the gathered buffer: no send buffer beside it
+    packs = {b.output.name: i for i, b in enumerate(dry.forward.bound_symbols) if is_pack_shards(b)}
+    assert not [b for b in m.forward.buffers if b.name in packs and not is_collective_output(b)]
+    in_place = [b for b in gathered if b.name in packs]
+    assert in_place and all(b.start == packs[b.name] for b in in_place)  # written whole by the pack op
     # parameters copied out of a several-parameter unit's buffer are gathered memory too
-    assert any(b.kind == GATHERED and b.name not in gather_outputs for b in m.forward.buffers)
+    assert any(b.kind == GATHERED and not is_collective_output(b) for b in m.forward.buffers)
     # ZeRO-3 frees every resharded unit's gather in the forward; the last unit's parameters (copied out
     # of its buffer) are saved for the backward, which does not gather them again, and so are the small
     # RMSNorm weights of the layers (Thunder saves them rather than gather them again)

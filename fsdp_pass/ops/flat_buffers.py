@@ -1,8 +1,11 @@
 """The four ops around a unit's collectives: how its tensors go into the one buffer a collective moves, and out.
 
-- ``pack_shards(shards, unit, dtype, device)``: this rank's shards, flattened and concatenated into the
-  buffer its all-gather sends; cast to ``dtype`` (mixed precision) and copied to ``device`` (offload) in the
-  same op. One shard, no cast and no copy: a view of it.
+- ``pack_shards(shards, unit, dtype, device, group)``: this rank's shards, flattened and concatenated into
+  the buffer its all-gather sends; cast to ``dtype`` (mixed precision) and copied to ``device`` (offload) in
+  the same op. One shard, no cast and no copy: a view of it. Otherwise the op allocates the whole gathered
+  buffer (``group``'s size times the shards) and packs into this rank's slice of it, which it returns; the
+  all-gather then fills that buffer in place around it (:func:`gathers_in_place`), so no send buffer lives
+  beside the gathered one (at world size 1 the packed shards are the gathered buffer).
 - ``unpack_gathered(gathered, unit, full_shapes, world_size)``: the rank-major gathered buffer (all of rank
   0's part of every parameter, then rank 1's, ...) cut into the full parameters, padding rows dropped; one
   copy-out per unit (a view of the buffer for a one-parameter unit).
@@ -64,7 +67,7 @@ def _device(device):
     return None if device is None else devices.to_device(device)
 
 
-def _pack_shards_meta(shards, unit: str, dtype, device) -> TensorProxy:
+def _pack_shards_meta(shards, unit: str, dtype, device, group=None) -> TensorProxy:
     numel = sum(s.numel for s in shards)
     return TensorProxy(like=shards[0], shape=(numel,), dtype=dtype or shards[0].dtype,
                        device=_device(device) or shards[0].device)
@@ -100,6 +103,19 @@ def pack_is_view(count: int, padding_rows: int = 0, cast: bool = False, moved: b
     return count == 1 and not (padding_rows or cast or moved or divide_first is not None)
 
 
+def gathers_in_place(bsym) -> bool:
+    """Whether pack op ``bsym`` packs into this rank's slice of the buffer its all-gather fills: whenever it copies
+    (:func:`pack_is_view` is false) and knows its group. The executor's code follows this rule and the memory
+    model counts by it: the pack op allocates the whole gathered buffer, the all-gather writes no new one."""
+    shards, _, dtype, device, group = bsym.args
+    return group is not None and not _pack_is_view_op(shards, dtype, device)
+
+
+def _pack_is_view_op(shards, dtype, device) -> bool:
+    cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
+    return pack_is_view(len(shards), cast=cast, moved=moved)
+
+
 def unpack_is_view(count: int) -> bool:
     """Whether unpacking a gathered buffer returns views of it and copies nothing: one parameter (its padding
     rows dropped as a view of a prefix). Several parameters are copied out, at world size 1 too, where views
@@ -111,7 +127,10 @@ def unpack_is_view(count: int) -> bool:
 
 def allocated_bytes(bsym, out) -> int:
     """Bytes of the new buffer that output ``out`` of one of these ops is: a parameter copied out of a gathered
-    buffer keeps its padding rows (the op returns a view of the unpadded prefix)."""
+    buffer keeps its padding rows (the op returns a view of the unpadded prefix); shards packed in place are
+    one slice of the whole gathered buffer the op allocates (:func:`gathers_in_place`)."""
+    if is_pack_shards(bsym) and gathers_in_place(bsym):
+        return int(out.numel) * out.dtype.bytes * bsym.args[4].size()
     if is_unpack_gathered(bsym):
         _, _, full_shapes, world_size = bsym.args
         lay = layouts_of(full_shapes, world_size)[[o.name for o in bsym.flat_proxy_outs].index(out.name)]
@@ -124,9 +143,8 @@ def views_of_inputs(bsym) -> dict[str, object]:
     (what the memory model needs: everything else they return is a new buffer)."""
     args, outs = bsym.args, bsym.flat_proxy_outs
     if is_pack_shards(bsym):
-        shards, _, dtype, device = args
-        cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
-        return {outs[0].name: shards[0]} if pack_is_view(len(shards), cast=cast, moved=moved) else {}
+        shards, _, dtype, device, _ = args
+        return {outs[0].name: shards[0]} if _pack_is_view_op(shards, dtype, device) else {}
     if is_unpack_gathered(bsym):
         return {o.name: args[0] for o in outs} if unpack_is_view(len(outs)) else {}
     if is_pack_grads(bsym):

@@ -3,8 +3,9 @@
 Forward (what the symbol decomposes into, readable in the printed trace; the ops around the collective are
 those of :mod:`fsdp_pass.ops.flat_buffers`, which no fusion executor absorbs):
   1. ``pack_shards``: the unit's local shards in one flat buffer, cast to ``param_dtype`` (mixed precision:
-     the gather moves fewer bytes) and copied to the compute device (offload), in one op;
-  2. ``all_gather`` of that buffer (async) and its ``wait``;
+     the gather moves fewer bytes) and copied to the compute device (offload), in one op; when it copies,
+     into this rank's slice of the gathered buffer it allocates whole;
+  2. ``all_gather`` of that buffer (async; in place around the packed slice) and its ``wait``;
   3. ``unpack_gathered``: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
 
 Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thunder derives it):
@@ -43,7 +44,7 @@ from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_gra
 def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None):
     """Forward steps 1-3: the unit's full parameters from every rank's shards."""
     cast = param_dtype if param_dtype is not None and param_dtype != shards[0].dtype else None
-    flat = pack_shards(shards, unit_name, cast, compute_device)
+    flat = pack_shards(shards, unit_name, cast, compute_device, group)
     gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
     return unpack_gathered(gathered, unit_name, tuple(tuple(s) for s in full_shapes), group.size())
 

@@ -55,7 +55,7 @@ def _device(device) -> str:
 
 
 def _pack_shards(args, unit, world_size) -> list[str]:
-    shards, _, dtype, device = args
+    shards, _, dtype, device, _ = args
     n = len(shards)
     parts = [f"pack {n} shards into one flat buffer" if n > 1 else "flatten the shard"]
     if dtype is not None:

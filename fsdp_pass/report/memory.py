@@ -10,7 +10,9 @@ as a *buffer*:
 2. a view or re-layout (reshape, slice, transpose, ...) shares its input's buffer; reshaping a
    non-contiguous tensor copies, so it writes a new one;
 3. an all-gather writes its full gathered buffer when issued, and holds its send buffer until its wait
-   (the executor keeps it alive while the collective runs); a reduce-scatter writes its shard and holds
+   (the executor keeps it alive while the collective runs); shards packed into their slice of the gathered
+   buffer (``pack_shards`` when it copies) are that buffer, written whole by the pack op, which the
+   all-gather fills in place; a reduce-scatter writes its shard and holds
    the full gradient buffer it reads likewise; a wait hands on the collective's result;
 4. a buffer is freed after the last op that reads any name sharing it. What the forward returns (its
    output and what it saves for the backward) lives on into the backward, until the backward's last
@@ -48,7 +50,7 @@ from fsdp_pass.op_names import (
     TORCH_ALL_REDUCE_OP,
     TORCH_REDUCE_SCATTER_OP,
 )
-from fsdp_pass.ops.flat_buffers import allocated_bytes, views_of_inputs
+from fsdp_pass.ops.flat_buffers import allocated_bytes, gathers_in_place, views_of_inputs
 from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
@@ -56,6 +58,7 @@ from fsdp_pass.predicates import (
     is_getitem,
     is_grad_accumulation,
     is_pack_grads,
+    is_pack_shards,
     is_reduce_scatter,
     is_reshape,
     is_return,
@@ -156,6 +159,7 @@ class _Buffers:
         self.size, self.kind, self.start, self.last = {}, {}, {}, {}
         self.written_by: dict[str, tuple[str, str | None]] = {}  # buffer id -> (op name, unit)
         self.handed_on_names: set[str] = set()
+        self.gathered_in_place: set[str] = set()  # packed shards: the slice of the gathered buffer they fill
         for name, buf in carried_in.items():
             self.share(name, buf.name, True)
             if buf.name not in self.size:
@@ -206,6 +210,11 @@ class _Buffers:
         if is_all_reduce(b) and b.args[4] and send.name in self.buffer_of:
             self.share(b.output.name, self.buffer_of[send.name], self.contiguous[send.name])
             return
+        if is_all_gather(b) and send.name in self.gathered_in_place:  # packed into its slice of this buffer
+            buf = self.buffer_of[send.name]
+            self.share(b.output.name, buf, True)
+            self.kind[buf], self.written_by[buf] = GATHERED, (b.sym.name, self.written_by[buf][1])
+            return
         self.new(b.output, i, b, GATHERED if is_all_gather(b) else GRAD_SHARDS)
         if send.name in self.buffer_of:
             self.held_by_future[b.output.name] = self.buffer_of[send.name]
@@ -240,6 +249,8 @@ class _Buffers:
                 self.share(o.name, self.buffer_of[src.name], True)
             elif src is None:
                 self.new(o, i, b, kind, allocated_bytes(b, o))
+        if is_pack_shards(b) and gathers_in_place(b):
+            self.gathered_in_place.add(b.output.name)
 
     def op(self, b, i: int) -> None:
         """Step ``i`` of the trace: bound symbol ``b``."""
