@@ -110,13 +110,14 @@ def different_collectives_at_a_later_step():
 
 
 class LongInputsStartWithAnExtraLayer(nn.Module):
-    """A model whose first collective depends on its input: batches longer than 4 rows start with one more layer."""
+    """A model whose first collective depends on its input: batches longer than 4 rows start with one more layer
+    (of another shape than the first one's, so the step's first collective differs in size too)."""
 
     def __init__(self):
         super().__init__()
         self.pre = nn.Linear(16, 16)
-        self.inp = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 4)
+        self.inp = nn.Linear(16, 24)
+        self.head = nn.Linear(24, 4)
 
     def forward(self, x):
         if x.shape[0] > 4:

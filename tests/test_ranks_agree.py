@@ -46,11 +46,12 @@ def test_ranks_that_change_their_first_collective_together_train_then_diverge_la
         assert r["param_err"] < 1e-6, (rank, r)
         m = r["message"]
         assert "issue different collectives" in m and "first difference, forward collective #0" in m, (rank, m)
-        assert "'pre.weight'" in m and "'inp.weight'" in m, (rank, m)
+        assert "of unit 'pre." in m and "of unit 'inp." in m, (rank, m)
         assert r["seconds"] < GLOO_TIMEOUT_S - 20, (rank, r)
         assert r["group_still_works"], (rank, r)
+    # rank 0 gathered inp's weight or bias (its step's first), rank 1 issued a stand-in of the same size
     issued = [r["collectives_before_the_error"] for r in results]
-    assert issued[0] == issued[1] == [("all-gather", 16 * 16 * 4)], issued
+    assert issued[0] == issued[1] and issued[0] in ([("all-gather", 24 * 16 * 4)], [("all-gather", 24 * 4)]), issued
 
 
 def test_helper_called_on_one_rank_fails_in_bounded_time(ranks):
