@@ -26,7 +26,8 @@ the work has no future (gloo's reduce-scatter) and on CUDA, where the host learn
 GPU finished.
 
 On CPU/gloo the same path runs: gloo runs collectives on its own threads, so compute continues while
-one is in flight. ``fsdp_wait`` also accepts the ``(handle, tensor)`` pair of Thunder's torch executor,
+one is in flight. Over a group of one rank (world size 1) a collective is the copy it amounts to, made at its
+issue, with no backend call: the buffers are allocated as before, and its wait returns at once. ``fsdp_wait`` also accepts the ``(handle, tensor)`` pair of Thunder's torch executor,
 for collectives this executor did not issue (e.g. a ``broadcast`` from another transform).
 """
 
@@ -149,29 +150,53 @@ def _resized(a: torch.Tensor, group, grow: bool) -> torch.Tensor:
 GATHERED_BUFFER = "fsdp_gathered_buffer"
 
 
+class _Done:
+    """The work of a collective over a group of one rank: its result is a copy, made when it is issued."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _copied(o: torch.Tensor, i: torch.Tensor) -> _Done:
+    if not (o.data_ptr() == i.data_ptr() and o.shape == i.shape):  # packed in place: already there
+        o.copy_(i)
+    return _Done()
+
+
+def _alone(group) -> bool:
+    """A group of one rank: gathering, scattering or reducing is a copy (no backend call, no thread hand-off:
+    on a busy host each of those costs more than the copy)."""
+    return group.size() == 1
+
+
 def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None):
     out = getattr(a, GATHERED_BUFFER, None)
     if out is None or out.numel() != a.numel() * group.size():
         out = _resized(a, group, grow=True)
     else:
         out = out.view((a.shape[0] * group.size(), *a.shape[1:]))
-    flight = _issue(lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True), out, a, ALL_GATHER)
+    start = _copied if _alone(group) else (lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True))
+    flight = _issue(start, out, a, ALL_GATHER)
     return flight if do_async else _wait_impl(flight)
 
 
 def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | None = None):
     out = _resized(a, group, grow=False)
     reduce_op = to_torch_distributed_reduce_op(op)
-    flight = _issue(
-        lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True), out, a, REDUCE_SCATTER
+    start = _copied if _alone(group) else (
+        lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True)
     )
+    flight = _issue(start, out, a, REDUCE_SCATTER)
     return flight if do_async else _wait_impl(flight)
 
 
 def _all_reduce_impl(a: torch.Tensor, /, op, group, do_async, skip_clone: bool = False):
     out = a if skip_clone else a.clone()
     reduce_op = to_torch_distributed_reduce_op(op)
-    flight = _issue(lambda o, i: dist.all_reduce(o, reduce_op, group, async_op=True), out, out, ALL_REDUCE)
+    start = (lambda o, i: _Done()) if _alone(group) else (
+        lambda o, i: dist.all_reduce(o, reduce_op, group, async_op=True)
+    )
+    flight = _issue(start, out, out, ALL_REDUCE)
     return flight if do_async else _wait_impl(flight)
 
 

@@ -25,8 +25,9 @@ After lowering, on the final forward and on the final backward trace: :func:`fin
 
   5. schedule  prefetched gathers, late waits, early reduce-scatters
                (:func:`~fsdp_pass.passes.schedule_collectives.schedule_collectives`);
-  6. verify    no buffer used while its collective is in flight; the forward starts with a check that every
-               rank runs a step with the same collectives, at every step (:mod:`fsdp_pass.verify`); with
+  6. verify    no buffer used while its collective is in flight; the forward's first collective comes with a
+               check that every rank runs a step with the same collectives, at every step (issued beside it,
+               awaited before the second: :mod:`fsdp_pass.verify.step_agreement`); with
                ``FSDP(check_finite=True)`` each unit's parameters, output and gradients are checked for NaN/inf
                and the backward ends with every rank's verdict
                (:func:`~fsdp_pass.passes.insert_finite_checks.insert_finite_checks`);
@@ -103,11 +104,13 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     return prologue, computation, plan, options
 
 
-def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, group=None, step_key: str | None = None):
+def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, group=None, step_key: str | None = None,
+                   scope: str = ""):
     """Stages 5-7 on a final ``phase`` (``"forward"`` or ``"backward"``) trace: ``(trace, unit_of_collective)``,
     the second mapping each collective's output name to its unit's name. ``step_key``: the compile's
     :attr:`~fsdp_pass.compiled_step.CompiledStep.key`, under which its collectives are kept for the per-step
-    check (None: no check)."""
+    check (None: no check); ``scope``: the model's name, the same on every rank (its variants' checks agree
+    among themselves)."""
     found = units_of_collectives(trace, plan)
     if options.schedule is not None:
         kept = frozenset(  # gathers whose units stay gathered for the backward
@@ -121,7 +124,7 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
     if options.check_finite and step_key is not None:
         trace = insert_finite_checks(trace, phase, plan, group, step_key)
     if options.verify_ranks and step_key is not None and has_peers(group):
-        record_step_collectives(step_key, group, phase, trace, found)
+        record_step_collectives(step_key, group, phase, trace, found, scope)
         if phase == "forward":
             trace = insert_step_check(trace, step_key)
     trace = annotate_collectives(trace, plan, found)

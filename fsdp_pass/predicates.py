@@ -17,9 +17,11 @@ from fsdp_pass.op_names import (
     ADD_ACCUMULATED_OP,
     ALL_GATHER_OP,
     ALL_REDUCE_OP,
+    AWAIT_STEP_DIGESTS,
     CHECK_FINITE,
     CHECK_SAME_COLLECTIVES,
     CLEAR_FINITE_FLAGS,
+    EXCHANGE_STEP_DIGEST,
     PACK_GRADS,
     PACK_GRADS_OP,
     PACK_SHARDS,
@@ -165,6 +167,9 @@ _BOOKKEEPING = frozenset(
         prims.PrimIDs.UNPACK_EMPTY_DICT,
         "clear_mutable_collection",
         "shallow_copy",
+        # the per-step agreement's host-side exchange around the first collective: no device work
+        EXCHANGE_STEP_DIGEST,
+        AWAIT_STEP_DIGESTS,
     }
 )
 

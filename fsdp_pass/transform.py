@@ -95,9 +95,9 @@ class FSDP(Transform):
             its all-gather and its gradient shard is copied back after its reduce-scatter.
         release_original_parameters: replace the original module's full tensors with meta tensors
             once sharded, so each rank holds 1/N of the parameters.
-        verify_ranks: at every step, before any collective, check that every rank's step issues the same
-            collectives (ranks may run inputs of different shapes; each compiles its own variant); where
-            they differ, every rank raises an FSDPError naming the first that differs.
+        verify_ranks: at every step, beside its first collective and before any other, check that every rank's
+            step issues the same collectives (ranks may run inputs of different shapes; each compiles its own
+            variant); where they differ, every rank raises an FSDPError naming the first that differs.
         timeout: seconds (or a ``timedelta``) a collective helper (``full_state_dict``, ``get_state_dict``,
             ``save_checkpoint``, ...) waits for every rank to call it before raising an FSDPError that names
             the ranks that did not; default 10 minutes.
@@ -222,7 +222,8 @@ class FSDP(Transform):
         phase = "backward" if TraceTag.BACKWARD in computation_trace.tags else "forward"
         step = self.compiled_step
         trace, units = finish_lowered(
-            computation_trace, phase, step.plan, step.options, self.model.groups.everyone, step_key=step.key
+            computation_trace, phase, step.plan, step.options, self.model.groups.everyone, step_key=step.key,
+            scope=f"model{self.ordinal}",
         )
         self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace

@@ -106,7 +106,67 @@ def different_collectives_at_a_later_step():
     t = torch.ones(1)
     dist.all_reduce(t)
     return {"message": message, "seconds": seconds, "group_still_works": float(t) == dist.get_world_size(),
-            "collectives_before_the_error": [str(kind) for kind, _ in sent.calls]}
+            "collectives_before_the_error": [(str(kind), size) for kind, size in sent.calls]}
+
+
+class LongInputsStartWithAnExtraLayer(nn.Module):
+    """A model whose first collective depends on its input: batches longer than 4 rows start with one more layer
+    (of another shape than the first one's, so the step's first collective differs in size too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(16, 16)
+        self.inp = nn.Linear(16, 24)
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            x = torch.tanh(self.pre(x))
+        return self.head(torch.tanh(self.inp(x)))
+
+
+# rows per rank at each step: step 1 every rank starts with 'pre' (the first collective changes on every rank
+# alike), step 2 every rank is back, step 3 rank 1 alone starts with 'pre'
+FIRST_CHANGES_ROWS = [(2, 2), (6, 6), (2, 2), (2, 6)]
+
+
+def first_collective_changes_then_ranks_diverge(lr: float = 0.1):
+    """Steps 0-2: the ranks change their step's first collective together, twice, and train as one process
+    (SGD, gradients averaged) would. Step 3: rank 1 alone starts with another collective: every rank raises
+    before any mismatched collective (each issued the same one: the first of the step they agreed on)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = LongInputsStartWithAnExtraLayer()
+    jm = thunder.jit(copy.deepcopy(reference), transforms=[FSDP("zero3", units="per_parameter")],
+                     executors=executors_for("cpu"))
+    opt, ref_opt = torch.optim.SGD(jm.parameters(), lr=lr), torch.optim.SGD(reference.parameters(), lr=lr)
+
+    def batch(step, r):
+        return torch.randn(FIRST_CHANGES_ROWS[step][r], 16, generator=torch.Generator().manual_seed(10 * step + r))
+
+    for step in range(3):
+        jm(batch(step, rank)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        for r in range(world):
+            (reference(batch(step, r)).square().mean() / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = full_state_dict(jm)
+    param_err = max(float((full[n] - p).abs().max()) for n, p in reference.state_dict().items())
+    start = time.monotonic()
+    with CollectiveBytes() as sent:
+        try:
+            jm(batch(3, rank)).square().mean().backward()
+            message = "no error"
+        except FSDPError as e:
+            message = str(e)
+    seconds = time.monotonic() - start
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return {"param_err": param_err, "message": message, "seconds": seconds,
+            "collectives_before_the_error": [(str(kind), size) for kind, size in sent.calls],
+            "group_still_works": float(t) == world, "compiles": thunder.cache_misses(jm)}
 
 
 def helper_on_one_rank(timeout_s: float):

@@ -72,8 +72,9 @@ def check_and_cast_inputs_on_call(thunder_module, fsdp) -> None:
 
     def forward(*args, **kwargs):
         precision = fsdp.options.mixed_precision
-        check_input_devices(named_tensors(args, kwargs, names), fsdp.model.device)
-        args, kwargs = inputs_of_step(args, kwargs, precision)
+        check_input_devices(args, kwargs, fsdp.model.device, names)
+        if precision.param_dtype is not None:
+            args, kwargs = inputs_of_step(args, kwargs, precision)
         started = time.perf_counter_ns()
         try:
             return compiled_forward(thunder_module, *args, **kwargs)

@@ -4,7 +4,8 @@ A jitted model's call runs Thunder's cache lookup, and on a miss traces the modu
 backward, lowers and compiles (20-90 s for a Hugging Face model). What is wrong with an input is caught as early as
 it can be known:
 
-1. Before the compiled step, at every call (no trace needed, microseconds): :func:`check_input_devices`. An input
+1. Before the compiled step, at every call (no trace needed, a few microseconds: the tensors are named only when
+   one is misplaced): :func:`check_input_devices`. An input
    on the meta device holds no values (Thunder would compile for it and copy nothing, or fail at run time); an input
    on another device than the one the step computes on (the shards' compute device) would be compiled for, then
    fail or copy at every step. A 0-d CPU tensor beside CUDA compute is allowed, as torch allows it.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import inspect
 
 import torch
-from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten_with_path
+from torch.utils._pytree import MappingKey, SequenceKey, tree_flatten_with_path, tree_leaves
 
 from fsdp_pass.errors import FSDPError, check
 
@@ -71,12 +72,31 @@ def _same_device(t: torch.Tensor, device: torch.device) -> bool:
     return t.dim() == 0 and t.device.type == "cpu" and device.type != "meta"  # torch's rule for 0-d CPU tensors
 
 
-def check_input_devices(named: list[tuple[str, torch.Tensor]], device) -> None:
-    """Step 1: every input tensor is on ``device``, where the step computes (None: not known, nothing checked)."""
+def _input_tensors(args: tuple, kwargs: dict):
+    """Every tensor among a call's inputs, in :func:`named_tensors`' order, without naming them (the per-call path:
+    a direct loop over the common flat arguments, pytree only for nested ones)."""
+    for tree in (args, kwargs.values()):
+        for x in tree:
+            if isinstance(x, torch.Tensor):
+                yield x
+            elif isinstance(x, (list, tuple, dict)):
+                yield from (leaf for leaf in tree_leaves(x) if isinstance(leaf, torch.Tensor))
+
+
+def _misplaced(t: torch.Tensor, device: torch.device) -> bool:
+    return (t.is_meta and device.type != "meta") or not _same_device(t, device)
+
+
+def check_input_devices(args: tuple, kwargs: dict, device, names: tuple[str, ...] = ()) -> None:
+    """Step 1: every input tensor of the call ``(args, kwargs)`` is on ``device``, where the step computes (None:
+    not known, nothing checked). At every call: the tensors are named (:func:`named_tensors`) only when one is
+    not where it should be."""
     if device is None:
         return
     device = torch.device(device)
-    for label, t in named:
+    if not any(_misplaced(t, device) for t in _input_tensors(args, kwargs)):
+        return
+    for label, t in named_tensors(args, kwargs, names):
         check(
             not t.is_meta or device.type == "meta",
             f"The model's {label} is on the meta device: it has a shape and a dtype but no values, and the step "

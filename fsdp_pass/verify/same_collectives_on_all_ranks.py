@@ -1,4 +1,5 @@
-"""Every rank runs the same collectives at every step; where they would not, every rank raises before any is issued.
+"""Every rank runs the same collectives at every step; where they would not, every rank raises before any mismatched
+collective is issued.
 
 Ranks may run different compiled variants of the step: an input of another shape on one rank (a longer
 sequence, a smaller last batch) makes Thunder compile another trace there, at that step, on that rank alone.
@@ -8,13 +9,17 @@ its unit, its elements and dtype, in issue order, forward then backward. A model
 the input (a layer used only for long sequences) can break that, at any step.
 
 1. At each compile (stage 6 of :mod:`fsdp_pass.pipeline`), :func:`record_step_collectives` keeps each final
-   trace's sequence under the compile's key, and :func:`insert_step_check` starts the forward trace with
-   ``check_same_collectives(key)``, before any collective (``# [fsdp] check: ...`` above it).
-2. At every step that op reduces the variant's sequences to a 62-bit digest, and the ranks compare digests
-   with one all-reduce of two integers on a host-side gloo channel (:func:`fsdp_pass.shard.groups.cpu_channel`):
-   nothing waits for the GPU.
+   trace's sequence under the compile's key (and the forward's first collective), and :func:`insert_step_check`
+   puts three ops in the forward trace: ``check_same_collectives(key)`` right before its first collective
+   (``# [fsdp] check: ...`` above it), ``exchange_step_digest(key)`` right after it, ``await_step_digests(key)``
+   right before the second (or before the return, when the forward has one).
+2. At every step they compare a 62-bit digest of the variant's sequences across ranks, with one all-reduce of
+   two integers on a host-side gloo channel (:func:`fsdp_pass.shard.groups.cpu_channel`: nothing waits for the
+   GPU), issued beside the first collective and waited before the second (:mod:`fsdp_pass.verify.step_agreement`
+   says why that is enough and why no step can skip it).
 3. If the digests differ, the ranks exchange the sequences and every rank raises the same FSDPError, naming
-   the first collective that differs. No collective of the step has been issued yet: nothing hangs.
+   the first collective that differs. At most the step's first collective was issued, the same on every rank:
+   nothing hangs.
 """
 
 from __future__ import annotations
@@ -22,15 +27,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from thunder.core import prims
+from thunder.core.dtypes import to_torch_dtype
 from thunder.core.trace import TraceProvenance, from_trace
 
-from fsdp_pass.errors import fail
-from fsdp_pass.op_names import CHECK_SAME_COLLECTIVES
-from fsdp_pass.predicates import collective_kind, is_input_unpacking
-from fsdp_pass.shard.groups import cpu_channel
+from fsdp_pass.op_names import AWAIT_STEP_DIGESTS, CHECK_SAME_COLLECTIVES, EXCHANGE_STEP_DIGEST
+from fsdp_pass.predicates import collective_kind, is_collective, is_input_unpacking, is_return
+from fsdp_pass.verify import step_agreement
+from fsdp_pass.verify.step_agreement import FirstCollective
 
 
 @dataclass
@@ -38,7 +43,9 @@ class StepCollectives:
     """The collectives one compiled variant of the step issues, per phase, and the group they run on."""
 
     group: object
+    scope: str = ""  # the model's (every rank names it alike): its steps agree among themselves
     phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    first: FirstCollective | None = None  # the forward's first collective
     _digest: int | None = None
 
     def record(self, phase: str, calls: tuple[str, ...]) -> None:
@@ -72,9 +79,21 @@ def collective_calls(trace, found: dict | None = None) -> tuple[str, ...]:
     return tuple(out)
 
 
-def record_step_collectives(key: str, group, phase: str, trace, found: dict) -> None:
-    """Keep the collectives of one final ``phase`` trace of the compile ``key``."""
-    _STEPS.setdefault(key, StepCollectives(group)).record(phase, collective_calls(trace, found))
+def _first_collective(trace) -> FirstCollective | None:
+    b = next((b for b in trace.bound_symbols if is_collective(b)), None)
+    if b is None:
+        return None
+    t = b.flat_proxy_args[0]
+    group = next(a for a in b.args if isinstance(a, dist.ProcessGroup))
+    return FirstCollective(collective_kind(b), t.numel, to_torch_dtype(t.dtype), t.device.device_str(), group)
+
+
+def record_step_collectives(key: str, group, phase: str, trace, found: dict, scope: str = "") -> None:
+    """Keep the collectives of one final ``phase`` trace of the compile ``key`` of the model ``scope``."""
+    step = _STEPS.setdefault(key, StepCollectives(group, scope))
+    step.record(phase, collective_calls(trace, found))
+    if phase == "forward":
+        step.first = _first_collective(trace)
 
 
 def _first_difference(ref: dict, other: dict, rank: int) -> str | None:
@@ -119,53 +138,73 @@ DIFFERENT_TODO = (
 
 
 def check_same_collectives_impl(key: str) -> None:
-    """The op's body: compare this variant's digest across ranks; on a difference, raise on every rank."""
+    """Before the forward's first collective (:func:`~fsdp_pass.verify.step_agreement.settle_before_first`)."""
     step = _STEPS[key]
-    channel = cpu_channel(step.group)
-    d = step.digest()
-    both = torch.tensor([d, -d], dtype=torch.int64)
-    try:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=channel)
-        if int(both[0]) == -int(both[1]):
-            return
-        prints: list = [None] * dist.get_world_size(channel)
-        dist.all_gather_object(prints, step.phases, group=channel)
-    except (RuntimeError, dist.DistError) as e:
-        fail(
-            f"Another rank did not come to this step's collective check ({type(e).__name__}: {e}). A rank stopped "
-            "(its process ended or raised: see its own error), or is running something else (a collective helper "
-            "such as full_state_dict() that this rank did not call).",
-            "Look at the other ranks' errors first; every rank must run the same steps and helpers in the same order.",
-        )
-    fail(describe_difference(prints) or "the ranks' collective digests differ", DIFFERENT_TODO)
+    channel = step_agreement.channel_of(step.group)
+    step_agreement.settle_before_first(step.scope, channel, step.digest(), step.first, lambda: step.phases)
 
 
-def _check_same_collectives_meta(key: str) -> None:
+def exchange_step_digest_impl(key: str) -> None:
+    """After the first collective's issue (:func:`~fsdp_pass.verify.step_agreement.exchange`)."""
+    step = _STEPS[key]
+    step_agreement.exchange(step.scope, step_agreement.channel_of(step.group), step.digest())
+
+
+def await_step_digests_impl(key: str) -> None:
+    """Before the second collective (:func:`~fsdp_pass.verify.step_agreement.await_digests`)."""
+    step = _STEPS[key]
+    step_agreement.await_digests(step.scope, step_agreement.channel_of(step.group), lambda: step.phases)
+
+
+def _no_output(key: str) -> None:
     return None
 
 
-check_same_collectives = prims.make_prim(
-    CHECK_SAME_COLLECTIVES,
-    "check_same_collectives",
-    meta=_check_same_collectives_meta,
-    python_impl=check_same_collectives_impl,
-    tags=(prims.OpTags.DONT_DCE,),
-)
+def _prim(op_id: str, name: str, impl):
+    return prims.make_prim(op_id, name, meta=_no_output, python_impl=impl, tags=(prims.OpTags.DONT_DCE,))
+
+
+check_same_collectives = _prim(CHECK_SAME_COLLECTIVES, "check_same_collectives", check_same_collectives_impl)
+exchange_step_digest = _prim(EXCHANGE_STEP_DIGEST, "exchange_step_digest", exchange_step_digest_impl)
+await_step_digests = _prim(AWAIT_STEP_DIGESTS, "await_step_digests", await_step_digests_impl)
 
 _HEADER = (
     "[fsdp] check: every rank runs a step with these collectives (a digest of the forward's and the backward's, "
-    "one all-reduce on a host-side gloo channel); else every rank raises, naming the first that differs"
+    "one all-reduce on a host-side gloo channel, issued beside the first collective and awaited before the "
+    "second); else every rank raises, naming the first that differs"
 )
 
 
+def _op(symbol, impl, key: str, header: str | None = None):
+    bsym = symbol.bind(key, output=None, _call_ctx={symbol.name: impl})
+    return bsym.from_bsym(header=header) if header else bsym
+
+
 def insert_step_check(trace, key: str):
-    """``trace`` with ``check_same_collectives(key)`` before its first line that is not unpacking the inputs."""
-    bsyms = trace.bound_symbols
-    at = next((i for i, b in enumerate(bsyms) if not is_input_unpacking(b)), len(bsyms))
-    op = check_same_collectives.bind(
-        key, output=None, _call_ctx={"check_same_collectives": check_same_collectives_impl}
-    ).from_bsym(header=_HEADER)
+    """``trace`` with the step's agreement ops: ``check_same_collectives(key)`` right before its first collective,
+    ``exchange_step_digest(key)`` right after it, ``await_step_digests(key)`` right before its second collective
+    (or its return). A forward with no collective: the check alone, after the inputs are unpacked."""
+    bsyms = list(trace.bound_symbols)
+    check = _op(check_same_collectives, check_same_collectives_impl, key, _HEADER)
+    collectives = [i for i, b in enumerate(bsyms) if is_collective(b)]
+    if not collectives:
+        at = next((i for i, b in enumerate(bsyms) if not is_input_unpacking(b)), len(bsyms))
+        bsyms.insert(at, check)
+    else:
+        first = collectives[0]
+        second = collectives[1] if len(collectives) > 1 else next(
+            (i for i, b in enumerate(bsyms) if is_return(b)), len(bsyms)
+        )
+        bsyms = [
+            *bsyms[:first],
+            check,
+            bsyms[first],
+            _op(exchange_step_digest, exchange_step_digest_impl, key),
+            *bsyms[first + 1 : second],
+            _op(await_step_digests, await_step_digests_impl, key),
+            *bsyms[second:],
+        ]
     new = from_trace(trace)
-    new.bound_symbols = [*bsyms[:at], op, *bsyms[at:]]
+    new.bound_symbols = bsyms
     new.set_provenance(TraceProvenance("fsdp_pass: check that every rank runs the same collectives"))
     return new
