@@ -156,7 +156,7 @@ def explain_command(ns) -> int:
         + (f" (mesh {ns.mesh[0]} replicas x {ns.mesh[1]} ranks per shard group)" if ns.mesh else "")
         + f" in {run.compile_seconds:.1f} s; executors: {', '.join(run.executors)}"
     )
-    print(f"lowered for {run.device}: {run.lowering}")
+    print(f"lowered for {run.device}: {run.lowering}" + (f"; {run.copied_layers}" if run.copied_layers else ""))
     if ns.no_sync:
         run = replace(run, explanation=run.explanation.with_no_sync())
     print()

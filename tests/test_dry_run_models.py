@@ -18,6 +18,7 @@ import torch
 
 from fsdp_pass import FSDPError
 from fsdp_pass.__main__ import main
+from fsdp_pass.models import zoo
 from fsdp_pass.models.spec import build_model
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.text import human_bytes, human_count
@@ -134,6 +135,18 @@ def test_the_default_device_follows_the_cost_inputs():
     assert target_device(DEFAULTS["h100-nvlink"]) == "cuda"
     with pytest.raises(FSDPError, match="A dry run lowers for 'cuda' or 'cpu', not 'tpu'"):
         dry_run(torch.nn.Linear(2, 2, device="meta"), (torch.zeros(1, 2, device="meta"),), 2, device="tpu")
+
+
+def test_copying_identical_layers_prints_the_plan_of_interpreting_them_all():
+    """The shortcut (four layers interpreted, the rest copied) against the full interpretation, on the default
+    CUDA lowering of the built-in Llama with 6 layers: the same printed plan, op positions and peaks included, and
+    the same printed traces (the copies get the names the interpreter would have given)."""
+    module, args = zoo.build("tiny", n_layer=6)
+    copied, full = (dry_run(module, args, 8, device="cuda", trace_every_layer=every) for every in (False, True))
+    assert copied.copied_layers == "2 of 6 layers of model.layers copied from layer 2's ops (4 interpreted)"
+    assert full.copied_layers == ""
+    assert str(copied.explanation) == str(full.explanation)
+    assert str(copied.forward) == str(full.forward) and str(copied.backward) == str(full.backward)
 
 
 def test_hf_config_errors_say_what_to_do(tmp_path):

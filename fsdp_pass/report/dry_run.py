@@ -15,7 +15,10 @@ without allocating the model.
    sdpa executor, whose kernel is chosen for meta tensors as torch does on an H100
    (:mod:`fsdp_pass.report.meta_attention`, the one modelled step), and the rest fused by torchcompile.
    ``DryRun.lowering`` says which, in words.
-5. :func:`~fsdp_pass.report.explain.explain_step` reads the final traces: per-unit schedule, bytes, predicted memory.
+5. A stack of identical layers is interpreted for four of them and the rest copied from layer 2's ops
+   (:mod:`fsdp_pass.report.repeated_layers`; most of the time is Thunder's interpreter, layer by layer): the same
+   traces, the same printed plan (``trace_every_layer=True`` interprets all; ``DryRun.copied_layers`` says which).
+6. :func:`~fsdp_pass.report.explain.explain_step` reads the final traces: per-unit schedule, bytes, predicted memory.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.report.meta_attention import sdpa_on_meta_as_cuda
 from fsdp_pass.report.meta_autocast import autocast_on_meta_as
+from fsdp_pass.report.repeated_layers import traced_once_per_layer_stack
 from fsdp_pass.shard.groups import fake_process_group
 from fsdp_pass.shard.forward_inputs import inputs_of_step
 from fsdp_pass.transform import FSDP
@@ -50,6 +54,7 @@ class DryRun:
     fsdp: object = None  # the FSDP transform that compiled it (its predict_step(cost) prices the plan)
     device: str = "cpu"  # the device the traces were lowered for ("cpu" or "cuda")
     lowering: str = ""  # what the executors keep, in words (what is traced, what is modelled)
+    copied_layers: str = ""  # e.g. "28 of 32 layers of model.layers copied from layer 2's ops" ("": all interpreted)
 
     def predict_step(self, cost=None):
         """The step model's step time and peak for this plan (:func:`fsdp_pass.predict_step`); ``cost`` None:
@@ -105,6 +110,7 @@ def dry_run(
     device: str | None = None,
     optimizer="adam",
     mesh: tuple[int, int] | None = None,
+    trace_every_layer: bool = False,
     **fsdp_kwargs,
 ) -> DryRun:
     """Compile one step of ``module(*args, **kwargs)`` as rank 0 of ``world_size`` ranks would, and explain it.
@@ -112,7 +118,9 @@ def dry_run(
     ``kwargs``: the model's keyword inputs (e.g. ``{"input_ids": ..., "labels": ...}``); ``device``: the device
     to lower for, ``"cuda"`` or ``"cpu"`` (None: :func:`target_device` of ``fsdp_kwargs``' ``cost``); ``executors``:
     Thunder executors to lower with (default: the dry run's list for ``device``); ``mesh``: ``(replicas, shard size)``
-    for HSDP on a 2-D mesh of ``world_size`` ranks (None: FSDP over all of them); ``fsdp_kwargs`` go to
+    for HSDP on a 2-D mesh of ``world_size`` ranks (None: FSDP over all of them); ``trace_every_layer``: have Thunder
+    interpret every layer of a stack of identical layers (False: four of them, the rest copied, the same traces
+    in a fraction of the time: :mod:`fsdp_pass.report.repeated_layers`); ``fsdp_kwargs`` go to
     :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
     """
     check(
@@ -145,6 +153,7 @@ def dry_run(
         stack.enter_context(autocast_on_meta_as("cpu"))
         if device == "cuda":
             stack.enter_context(sdpa_on_meta_as_cuda())
+        copied = stack.enter_context(traced_once_per_layer_stack(module)) if not trace_every_layer else None
         if mesh is not None:
             fsdp_kwargs["mesh"] = init_device_mesh("cpu", tuple(mesh), mesh_dim_names=("replicate", "shard"))
         fsdp = FSDP(strategy, device="meta", **fsdp_kwargs)
@@ -153,5 +162,8 @@ def dry_run(
         thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     seconds = time.perf_counter() - t0
     step = fsdp.compiled_step
+    copies = ""
+    if copied is not None and copied.layers:
+        copies = f"{copied.layers} of {copied.layers + 4} layers of {copied.stack} copied from layer 2's ops (4 interpreted)"
     return DryRun(explain_step(step, optimizer), step.forward, step.backward, tuple(e.name for e in executors), seconds,
-                  fsdp, device, lowering)
+                  fsdp, device, lowering, copies)
