@@ -6,7 +6,8 @@ a communication stream on CUDA; :mod:`fsdp_pass_executors.buffers`; :mod:`fsdp_p
 The compute between them goes to a fusion executor on CUDA: nvFuser when a wheel built for the running
 torch is installed, else Thunder's torch.compile executor; on CPU to the torch executor. ``fsdp_comm``'s
 ops are never fused, so they are the boundaries of the fusion regions. ``executor_choice(device)`` says
-which list and why; ``FSDP`` puts ``fsdp_comm`` first in any list it is given.
+which list and why; ``FSDP`` puts ``fsdp_comm`` first in any list it is given. ``dry_run_choice(device)``:
+the list a dry run (which traces on the meta device, here) lowers with to keep what ``device``'s list keeps.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from fsdp_pass_executors import accumulation as _accumulation  # noqa: F401 - re
 from fsdp_pass_executors import buffers as _buffers  # noqa: F401 - registers the pack / unpack ops
 from fsdp_pass_executors.collectives import WAIT_CLOCK, comm_ex
 
-__all__ = ["WAIT_CLOCK", "comm_ex", "describe", "executor_choice", "executors_for", "nvfuser_available"]
+__all__ = [
+    "WAIT_CLOCK", "comm_ex", "describe", "dry_run_choice", "executor_choice", "executors_for", "nvfuser_available",
+]
 
 
 def nvfuser_available() -> bool:
@@ -52,6 +55,26 @@ def executor_choice(device) -> tuple[list, str]:
 def executors_for(device) -> list:
     """The executor list for thunder.jit(..., executors=...) on ``device``: collectives first, then fusion."""
     return executor_choice(device)[0]
+
+
+def dry_run_choice(device) -> tuple[list, str]:
+    """(the executor list a dry run lowers its meta-device traces with to stand for ``device``'s, what it keeps).
+
+    For CUDA: Thunder's sdpa executor (its kernel chosen for meta tensors as on an H100, see
+    ``fsdp_pass.report.meta_attention``) and Thunder's torchcompile as the fusion executor, CUDA's list where
+    nvFuser is not installed. nvFuser's fusion pass wants CUDA tensors, so a dry run cannot trace it; where the
+    GPU has it, it fuses its own regions. For the CPU: the CPU's list.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        why = (
+            "as on CUDA: attention on the sdpa executor's fused kernel (the kernel torch would pick on an H100, "
+            "modelled), the rest fused by torchcompile (CUDA's fusion executor without nvFuser; nvFuser cannot "
+            "be traced on meta)"
+        )
+        return [comm_ex, get_executor("sdpa"), get_executor("torchcompile"), get_executor("torch")], why
+    why = "as on the CPU: the torch executor, attention decomposed (its b*h*s*s probabilities saved for the backward)"
+    return executor_choice(device)[0], why
 
 
 def describe(executors) -> str:

@@ -5,6 +5,7 @@
     python -m fsdp_pass explain --mesh 8x64 --strategy zero3 --model llama2-7b --layers 4   # HSDP
     python -m fsdp_pass explain --world-size 64 --model llama2-7b --memory-budget 20GiB  # the auto plan
     python -m fsdp_pass explain --world-size 64 --model llama2-7b --cost h100-nvlink  # a plan's predicted step
+    python -m fsdp_pass explain --world-size 8 --model llama2-7b --layers 4 --device cpu  # lowered as on the CPU
     python -m fsdp_pass probe --local-ranks 2    # a collective's latency and bandwidth, a matmul's rate
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
@@ -28,7 +29,7 @@ from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
-from fsdp_pass.report.dry_run import dry_run
+from fsdp_pass.report.dry_run import DEVICES, dry_run, target_device
 from fsdp_pass.report.explain import OPTIMIZER_STATES
 from fsdp_pass.report.text import human_count
 
@@ -75,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
         "--cost", choices=sorted(DEFAULTS), default=None,
         help="cost inputs: the auto plan's (default h100-nvlink); with --strategy zero2/zero3, also print the step "
         "time and peak the planner's step model predicts for the plan",
+    )
+    p.add_argument(
+        "--device", choices=DEVICES, default=None,
+        help="the device to lower for: cuda (attention on the fused SDPA kernel, the fusion executor) or cpu (the CPU's "
+        "executors); default cuda when the cost inputs (--cost, default h100-nvlink) are a GPU's",
     )
     p.add_argument(
         "--model",
@@ -130,11 +136,13 @@ def explain_command(ns) -> int:
         if ns.memory_budget:
             raise FSDPError(f"--memory-budget plans the step, and --strategy {strategy} was asked for.\n"
                             "  What to do: leave out --strategy (or pass --strategy auto) to plan within a budget.")
+    device = ns.device or target_device(ns.cost or "h100-nvlink")
     run = dry_run(
         model.module,
         model.args,
         world_size,
         strategy,
+        device=device,
         mesh=ns.mesh,
         kwargs=model.kwargs,
         optimizer=ns.optimizer,
@@ -148,6 +156,7 @@ def explain_command(ns) -> int:
         + (f" (mesh {ns.mesh[0]} replicas x {ns.mesh[1]} ranks per shard group)" if ns.mesh else "")
         + f" in {run.compile_seconds:.1f} s; executors: {', '.join(run.executors)}"
     )
+    print(f"lowered for {run.device}: {run.lowering}" + (f"; {run.copied_layers}" if run.copied_layers else ""))
     if ns.no_sync:
         run = replace(run, explanation=run.explanation.with_no_sync())
     print()

@@ -1,12 +1,16 @@
-"""What the dry-run CLI takes as ``--model``: a Hugging Face config, factories with keyword inputs, and counts
-printed for people.
+"""What the dry-run CLI takes as ``--model``: a Hugging Face config, factories with keyword inputs, counts
+printed for people, and the device a dry run lowers for.
 
-The one compile here is a 2-layer Hugging Face Llama from ``tests/fixtures/hf_tiny_llama/config.json`` at
-world size 8 (about 25 s on 2 cores): its rotary embedding opens ``torch.autocast`` on the input's device,
-which on the meta device failed with "unsupported scalarType" before the dry run stood the CPU in for it.
+The compiles here are of a 2-layer Hugging Face Llama from ``tests/fixtures/hf_tiny_llama/config.json`` (about
+25 s each on 2 cores): one through the CLI at world size 8 in bfloat16 (its rotary embedding opens
+``torch.autocast`` on the input's device, which on the meta device failed with "unsupported scalarType" before
+the dry run stood the CPU in for it), and one per target device in float32 at 1024 tokens, whose saved
+activations are counted by hand.
 """
 
+import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,9 @@ import torch
 
 from fsdp_pass import FSDPError
 from fsdp_pass.__main__ import main
+from fsdp_pass.models import zoo
 from fsdp_pass.models.spec import build_model
+from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.text import human_bytes, human_count
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny_llama"
@@ -42,13 +48,15 @@ def llama_parameters(config: dict) -> int:
 def test_cli_dry_run_of_a_hugging_face_llama_config(tmp_path, capsys):
     pytest.importorskip("transformers")
     argv = ["explain", "--world-size", "8", "--model", f"hf:{HF_LLAMA}", "--seq", "8", "--out", str(tmp_path),
-            "--param-dtype", "bfloat16"]
+            "--param-dtype", "bfloat16", "--device", "cpu"]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     config = json.loads((HF_LLAMA / "config.json").read_text())
     n_params = llama_parameters(config)
     assert f": {human_count(n_params)} parameters (meta device" in out
     assert "example inputs per rank: input_ids=(1, 8) torch.int64, labels=(1, 8) torch.int64" in out
+    assert "lowered for cpu: as on the CPU: the torch executor, attention decomposed" in out
+    assert "\n(lowered for cpu: as on the CPU" in (tmp_path / "explain.txt").read_text()
     layers = [f"model.layers.{i}" for i in range(config["num_hidden_layers"])]
     units = ["model.embed_tokens", *layers, "model.norm+lm_head"]
     assert f"FSDP explain: strategy=zero3 world_size=8 units={len(units)}" in out
@@ -70,6 +78,75 @@ def test_cli_dry_run_of_a_hugging_face_llama_config(tmp_path, capsys):
     ops = [line for line in forward.splitlines() if not line.lstrip().startswith("#")]
     assert any("torch.cos(" in line and 'f32[' in line for line in ops)
     assert [line for line in ops if "torch.matmul(" in line and "bf16[" in line]
+
+
+SEQ = 1024  # tokens: each layer's b*h*s*s attention probabilities (16 MiB in float32) outweigh the rest of it
+
+
+@functools.cache
+def _saved_activations(device: str) -> int:
+    """Bytes the forward of the HF Llama keeps for the backward, gathered parameters left out, lowered for ``device``."""
+    model = build_model(f"hf:{HF_LLAMA}", seq=SEQ)
+    run = dry_run(model.module, model.args, 2, "zero3", kwargs=model.kwargs, device=device)
+    assert run.device == device and (("sdpa" in run.executors) == (device == "cuda")), run.executors
+    step = run.explanation.memory.step
+    return step.saved_bytes - step.saved_gathered_bytes
+
+
+def _hand_count(device: str) -> int:
+    """What each lowering keeps for the backward, counted from the model's shapes (float32: 4 bytes, int64: 8).
+
+    Per layer, decomposed on the CPU: 8 activations of [b, s, d] (the norm's input, its two products, the attention's
+    output, the residual, the MLP norm's), 4 of [b, s, hidden] (gate, up, silu, their product), 2 norm scales
+    [b, s, 1], query, key (transposed) and value as the decomposed attention reads them ([b, h, s, hd] each), and
+    the b*h*s*s attention probabilities. On CUDA the fusion recomputes the elementwise ops: 4 of [b, s, d], 2 of
+    [b, s, hidden] (gate, up), 2 norm scales, query, key, value and the output for the fused kernel's backward, one
+    float32 log-sum-exp per row (the memory-efficient kernel, float32: rows rounded up to 32) and its random-number
+    seed and offset. Besides the layers, both keep the rotary cos and sin [s, hd], the final norm's scale, the
+    logits [b, s, V] and the log-probabilities [b*s, V], the loss's count and value; the CPU also keeps the
+    embedding's output, the positions (int64) and the causal mask [s, s] (bool) twice.
+    """
+    config = json.loads((HF_LLAMA / "config.json").read_text())
+    b, s, layers, vocab = 1, SEQ, config["num_hidden_layers"], config["vocab_size"]
+    d, hidden, h = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    hd, f32, i64 = d // h, 4, 8
+    bsd, bsh, rows, heads = b * s * d * f32, b * s * hidden * f32, b * s * f32, b * h * s * hd * f32
+    shared = 2 * s * hd * f32 + rows + b * s * vocab * f32 + b * s * vocab * f32 + i64 + f32
+    if device == "cpu":
+        per_layer = 8 * bsd + 4 * bsh + 2 * rows + 3 * heads + b * h * s * s * f32
+        return layers * per_layer + shared + bsd + s * i64 + 2 * s * s
+    per_layer = 4 * bsd + 2 * bsh + 2 * rows + 4 * heads + b * h * math.ceil(s / 32) * 32 * f32 + 2 * i64
+    return layers * per_layer + shared
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_dry_run_keeps_what_the_target_devices_kernels_keep():
+    pytest.importorskip("transformers")
+    cpu, cuda = _saved_activations("cpu"), _saved_activations("cuda")
+    assert (cpu, cuda) == (_hand_count("cpu"), _hand_count("cuda"))
+    assert cuda < cpu / 4, (cuda, cpu)  # the probabilities (32 MiB here) are most of what the CPU keeps
+
+
+def test_the_default_device_follows_the_cost_inputs():
+    from fsdp_pass.plan.cost_model import DEFAULTS
+    from fsdp_pass.report.dry_run import target_device
+
+    assert [target_device(c) for c in ("h100-nvlink", "cpu-gloo", None)] == ["cuda", "cpu", "cpu"]
+    assert target_device(DEFAULTS["h100-nvlink"]) == "cuda"
+    with pytest.raises(FSDPError, match="A dry run lowers for 'cuda' or 'cpu', not 'tpu'"):
+        dry_run(torch.nn.Linear(2, 2, device="meta"), (torch.zeros(1, 2, device="meta"),), 2, device="tpu")
+
+
+def test_copying_identical_layers_prints_the_plan_of_interpreting_them_all():
+    """The shortcut (four layers interpreted, the rest copied) against the full interpretation, on the default
+    CUDA lowering of the built-in Llama with 6 layers: the same printed plan, op positions and peaks included, and
+    the same printed traces (the copies get the names the interpreter would have given)."""
+    module, args = zoo.build("tiny", n_layer=6)
+    copied, full = (dry_run(module, args, 8, device="cuda", trace_every_layer=every) for every in (False, True))
+    assert copied.copied_layers == "2 of 6 layers of model.layers copied from layer 2's ops (4 interpreted)"
+    assert full.copied_layers == ""
+    assert str(copied.explanation) == str(full.explanation)
+    assert str(copied.forward) == str(full.forward) and str(copied.backward) == str(full.backward)
 
 
 def test_hf_config_errors_say_what_to_do(tmp_path):
