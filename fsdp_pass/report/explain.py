@@ -375,11 +375,11 @@ _KIND_LINES = (
 
 
 def _bytes_by_unit(buffers, unit_of) -> list[tuple[str, int]]:
-    """(unit, bytes) of ``buffers``, the most bytes first."""
+    """(unit, bytes) of ``buffers``, the most bytes first, ties by name (the buffers come in no fixed order)."""
     by_unit: dict[str, int] = {}
     for b in buffers:
         by_unit[unit_of(b)] = by_unit.get(unit_of(b), 0) + b.nbytes
-    return sorted(by_unit.items(), key=lambda item: -item[1])
+    return sorted(by_unit.items(), key=lambda item: (-item[1], item[0]))
 
 
 def _units(by_unit: list[tuple[str, int]], shown: int = 3) -> str:
