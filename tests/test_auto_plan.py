@@ -271,9 +271,10 @@ def test_hand_written_plans_are_priced_by_the_model_the_auto_plan_uses():
         price_plan(cut, options, cost)
     with pytest.raises(FSDPError, match="places gathers where the step model does not"):
         price_plan(plan, replace(options, schedule=Schedule(max_unused_bytes=MiB)), cost)
-    checkpointed = model_dry_run(8, "zero3", checkpoint_activations=True)  # test_explain's
-    with pytest.raises(FSDPError, match="is checkpointed: the step model has no recompute"):
-        checkpointed.predict_step()
+    # checkpointed units are priced with their recompute: a longer backward, a lower peak
+    checkpointed = model_dry_run(8, "zero3", checkpoint_activations=True).predict_step()  # test_explain's
+    plain = model_dry_run(8, "zero3").predict_step()  # test_explain's
+    assert checkpointed.step_s > plain.step_s and checkpointed.peak_bytes < plain.peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -308,12 +309,11 @@ def test_auto_plan_trains_like_one_process_on_gloo_ranks(auto_run):
         assert (traced <= x["budget"]) == (_measured_total(x) <= x["budget"]), (traced, _measured_total(x), x)
 
 
-@pytest.mark.xfail(strict=True, reason="the planner's step model predicts 121,568 B for the plan it picks, the traces "
-                   "148,736 B: measured 147,800 B > the 122,544 B budget (issue 43 item 3)")
 def test_the_auto_plans_measured_peak_is_within_its_budget(auto_run):
-    """What FSDP('auto', memory_budget=...) promises a user: the step, measured, peaks within the budget. Today the
-    planner's model under-predicts this tiny GPT-2 by about 18 % and picks a plan over budget (strict: this test
-    fails once that is fixed, so the marker must go)."""
+    """What FSDP('auto', memory_budget=...) promises a user: the step, measured, peaks within the budget. The step
+    model once guessed what each op keeps from its inputs, and under-predicted this tiny GPT-2 by 18 % (its layer
+    norms and tanh GELUs keep five tensors each, Thunder differentiating their decompositions): the plan it picked
+    measured 147,800 B against a 122,544 B budget. It now asks Thunder what each op keeps (plan.saved_tensors)."""
     for x in auto_run:
         assert _measured_total(x) <= x["budget"], (_measured_total(x), x["budget"], x["predicted_peak"])
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fsdp_pass.errors import check
+from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
@@ -28,14 +29,26 @@ def _always(unit: Unit) -> bool:
     return True
 
 
-def checkpoint_predicate(spec) -> Callable[[Unit], bool]:
-    """``checkpoint_activations=``: a bool, or a function ``Unit -> bool``."""
+@dataclass(frozen=True)
+class _Every:
+    level: str
+
+    def __call__(self, unit: Unit) -> str:
+        return self.level
+
+
+def checkpoint_predicate(spec) -> Callable[[Unit], bool | str]:
+    """``checkpoint_activations=``: a bool, a level (``"selective"``, ``"full"``: plan.checkpointing) for every
+    unit, or a function ``Unit -> bool or level``."""
     if isinstance(spec, bool):
         return _always if spec else _never
+    if isinstance(spec, str):
+        return _Every(checkpoint_level(spec))
     check(
         callable(spec),
-        f"checkpoint_activations={spec!r} is neither a bool nor a function of a unit.",
-        "Pass True (every unit), False, or a function Unit -> bool, e.g. lambda u: u.name.startswith('layers.').",
+        f"checkpoint_activations={spec!r} is neither a bool, a level nor a function of a unit.",
+        "Pass True (every unit, full), 'selective' (every unit keeps its matmuls' results), False, or a function "
+        "Unit -> bool or level, e.g. lambda u: u.name.startswith('layers.').",
     )
     return spec
 
@@ -113,7 +126,7 @@ class FSDPOptions:
     unit_policy: object = field(default_factory=Blocks)  # groups parameters into units (plan.unit_policies)
     reshard_after_forward: bool | Callable[[Unit], bool] | None = None  # None: the strategy decides
     schedule: Schedule | None = DEFAULT_SCHEDULE  # None: Thunder's order
-    checkpoint_activations: Callable[[Unit], bool] = _never
+    checkpoint_activations: Callable[[Unit], bool | str] = _never
     mixed_precision: MixedPrecision = FULL_PRECISION
     offload_to: str | None = None  # where shards, their gradients and the optimizer state live between uses
     verify_ranks: bool = True  # check at every step that every rank issues the same collectives
@@ -143,7 +156,8 @@ class FSDPOptions:
         if isinstance(strategy, str) and strategy.lower() == "auto":
             chosen = [name for name, value, default in (
                 ("units", units, "blocks"), ("reshard_after_forward", reshard_after_forward, None),
-                ("schedule", schedule, DEFAULT_SCHEDULE)) if value != default]
+                ("schedule", schedule, DEFAULT_SCHEDULE), ("checkpoint_activations", checkpoint_activations, False))
+                if value is not default and value != default]
             check(not chosen, f"FSDP('auto') chooses {', '.join(chosen)} itself, and they were passed too.",
                   "Leave them out (the plan and its reasons print with fsdp_pass.explain(model)), or pass "
                   "'zero2'/'zero3' to choose them by hand.")
