@@ -37,3 +37,16 @@ def auto_parity(model_name: str, steps: int = 3):
         "unbounded_reshard": [u.reshard_after_forward for u in free.units],
         "unbounded_cost_source": free.auto.cost.source,
     }
+
+
+def auto_checkpointed(model_name: str, budget: int, steps: int = 2):
+    """Train ``FSDP("auto", memory_budget=budget)`` against one process, a budget no plan fits without activation
+    checkpointing, and measure one more step: the plan's checkpointed units and the measured peak."""
+    out = rank_cases.parity(model_name, "auto", steps=steps, keep_model=True, cost="cpu-gloo", memory_budget=budget,
+                            measure_step=True)
+    plan = rank_cases.fsdp_of(out.pop("jm")).unit_plan
+    return out | {
+        "budget": budget,
+        "predicted_peak": plan.auto.prediction.peak_bytes,
+        "checkpoint": {u.name: u.checkpoint for u in plan.units if u.checkpointed},
+    }

@@ -110,8 +110,8 @@ def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDP
     """What the step model reads of the functional forward trace ``computation`` (for any plan, auto or not);
     ``executors``: the list it will be lowered with (which attentions run fused)."""
     inp, _ = policy_input(computation, param_of_arg, model.sharding, model.tree)
-    states = options.auto.optimizer_states if options.auto is not None else AutoSettings.optimizer_states
-    return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, states,
+    optimizer = options.auto.optimizer if options.auto is not None else AutoSettings.optimizer
+    return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, optimizer,
                      model.groups.replicas, fused_attention(executors))
 
 

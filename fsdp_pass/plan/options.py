@@ -14,6 +14,7 @@ from typing import Callable
 from fsdp_pass.errors import check
 from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.optimizers import ADAMW, Optimizer, resolve_optimizer
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import Strategy, parse_strategy
@@ -81,12 +82,12 @@ def resolve_timeout(timeout) -> datetime.timedelta:
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """``FSDP("auto", memory_budget=..., cost=...)``: what the auto planner (:mod:`fsdp_pass.plan.auto_plan`)
+    """``FSDP("auto", memory_budget=..., cost=..., optimizer=...)``: what the auto planner (:mod:`fsdp_pass.plan.auto_plan`)
     plans with. ``cost`` None: the defaults of the device the step computes on."""
 
     memory_budget: int | None = None  # bytes per rank; None: the device's memory (no bound on the CPU)
     cost: CostInputs | None = None
-    optimizer_states: int = 2  # parameter-sized optimizer states per element (Adam)
+    optimizer: Optimizer = ADAMW  # what steps the shards: its states and its time (plan.optimizers)
 
 
 def parse_bytes(value) -> int | None:
@@ -150,6 +151,7 @@ class FSDPOptions:
         memory_budget=None,
         cost=None,
         check_finite: bool = False,
+        optimizer=None,
     ) -> FSDPOptions:
         """The options from what a user passes to ``FSDP(...)``."""
         auto = None
@@ -161,11 +163,12 @@ class FSDPOptions:
             check(not chosen, f"FSDP('auto') chooses {', '.join(chosen)} itself, and they were passed too.",
                   "Leave them out (the plan and its reasons print with fsdp_pass.explain(model)), or pass "
                   "'zero2'/'zero3' to choose them by hand.")
-            strategy, auto = "zero3", AutoSettings(parse_bytes(memory_budget), resolve_cost(cost))
+            strategy, auto = "zero3", AutoSettings(parse_bytes(memory_budget), resolve_cost(cost),
+                                                   resolve_optimizer(optimizer))
         else:
-            check(memory_budget is None and cost is None,
-                  "memory_budget= and cost= are read by the auto planner only.",
-                  "Pass FSDP('auto', memory_budget='20GiB'), or leave them out.")
+            check(memory_budget is None and cost is None and optimizer is None,
+                  "memory_budget=, cost= and optimizer= are read by the auto planner only.",
+                  "Pass FSDP('auto', memory_budget='20GiB', optimizer='sgd'), or leave them out.")
         return cls(
             parse_strategy(strategy, also=("auto",)),
             resolve_policy(units),

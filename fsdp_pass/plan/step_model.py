@@ -28,7 +28,8 @@ the torch executor runs per traced op), summed with the device time on a CPU, th
 host runs ahead (CUDA). The backward computes twice the forward in every term. Each collective adds
 :data:`OPS_PER_COLLECTIVE` ops on the compute queue (pack, collective, wait, unpack) and the copies of its packing
 and unpacking. The optimizer steps after the backward (``CostInputs.optimizer_seconds``: per parameter tensor,
-per byte of this rank's shards; offloaded, it steps on the host, priced the same). A checkpointed unit's backward
+per byte of this rank's shards, AdamW's scaled to the summary's optimizer, :mod:`~fsdp_pass.plan.optimizers`;
+offloaded, it steps on the host, priced the same). A checkpointed unit's backward
 first recomputes what it did not keep (:func:`kept_and_recompute`: its whole forward, or for the selective level
 all but its matmuls and attentions). The step ends when both queues and the optimizer are done; what is neither compute nor the optimizer is *exposed* communication. Where
 the two queues share the same cores (``CostInputs.overlap`` below 1: gloo's threads and the compute on one CPU),
@@ -290,8 +291,11 @@ def compute_seconds(units: list[UnitCost], candidate: Candidate) -> float:
 
 
 def optimizer_seconds(summary: StepSummary, cost: CostInputs) -> float:
-    """The optimizer step over this rank's shards (offloaded, it runs on the host: at the same rates here)."""
-    return cost.optimizer_seconds(summary.tensors, summary.shard_bytes)
+    """The optimizer step over this rank's shards (offloaded, it runs on the host: at the same rates here): the
+    probed AdamW's per tensor and per byte, scaled to the summary's optimizer (plan.optimizers)."""
+    o = summary.optimizer
+    return (o.tensor_scale * cost.optimizer_seconds(summary.tensors, 0)
+            + o.byte_scale * cost.optimizer_seconds(0, summary.shard_bytes))
 
 
 def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) -> list[int]:

@@ -50,6 +50,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.op_flops import estimated_flops, is_attention, is_matmul_like
 from fsdp_pass.plan.saved_tensors import Saved, saved_by_op
 from fsdp_pass.plan.sharding import ShardingPlan
@@ -81,13 +82,18 @@ class Piece:
 class StepSummary:
     pieces: tuple[Piece, ...]
     ranks: int  # of the shard group
-    optimizer_states: int = 2  # parameter-sized optimizer states per trainable element (Adam: 2)
+    optimizer: Optimizer = ADAMW  # what steps the shards: its states per element and its time (plan.optimizers)
     output_bytes: int = 0  # the forward's floating-point results: their gradients live through the backward
     replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
 
     @property
     def shard_bytes(self) -> int:
         return sum(p.shard_bytes for p in self.pieces)
+
+    @property
+    def optimizer_states(self) -> int:
+        """Parameter-sized optimizer states per trainable element (AdamW: 2)."""
+        return self.optimizer.states
 
     @property
     def state_bytes(self) -> int:
@@ -257,7 +263,7 @@ def summarize(
     param_of_arg: dict[str, str],
     sharding: ShardingPlan,
     precision: MixedPrecision,
-    optimizer_states: int = 2,
+    optimizer: Optimizer = ADAMW,
     replicas: int = 1,
     fused_attention=lambda bsym: False,
 ) -> StepSummary:
@@ -293,7 +299,7 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer_states, _tensor_bytes(outputs), replicas)
+    return StepSummary(pieces, sharding.world_size, optimizer, _tensor_bytes(outputs), replicas)
 
 
 def _outputs(computation) -> list[TensorProxy]:

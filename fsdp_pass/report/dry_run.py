@@ -103,6 +103,8 @@ def dry_run(
     args = tuple(map(_input_on_meta, args))
     kwargs = {name: _input_on_meta(value) for name, value in (kwargs or {}).items()}
     executors = executors if executors is not None else executors_for("cpu")
+    if str(strategy).lower() == "auto" and isinstance(optimizer, str):  # the auto plan prices the same optimizer
+        fsdp_kwargs.setdefault("optimizer", optimizer)
     t0 = time.perf_counter()
     with fake_process_group(world_size), autocast_on_meta_as("cpu"):
         if mesh is not None:
