@@ -1,5 +1,5 @@
-"""The auto planner: units, reshard-after-forward per unit, prefetch depth and offload, chosen to make the
-predicted step fastest within a memory budget, each decision with its reason.
+"""The auto planner: units, reshard-after-forward per unit, prefetch depth, activation checkpointing per unit and
+offload, chosen to make the predicted step fastest within a memory budget, each decision with its reason.
 
 ``plan_step(summary, cost, budget) -> AutoPlan`` is a pure function of a
 :class:`~fsdp_pass.plan.step_summary.StepSummary`, :class:`~fsdp_pass.plan.cost_model.CostInputs` and a budget
