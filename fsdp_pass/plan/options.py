@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fsdp_pass.errors import check
-from fsdp_pass.plan.checkpointing import checkpoint_level
+from fsdp_pass.plan.checkpointing import LEVELS, checkpoint_level
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer, resolve_optimizer
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
@@ -43,15 +43,13 @@ def checkpoint_predicate(spec) -> Callable[[Unit], bool | str]:
     unit, or a function ``Unit -> bool or level``."""
     if isinstance(spec, bool):
         return _always if spec else _never
-    if isinstance(spec, str):
-        return _Every(checkpoint_level(spec))
     check(
-        callable(spec),
+        callable(spec) or (isinstance(spec, str) and spec.lower() in LEVELS),
         f"checkpoint_activations={spec!r} is neither a bool, a level nor a function of a unit.",
         "Pass True (every unit, full), 'selective' (every unit keeps its matmuls' results), False, or a function "
         "Unit -> bool or level, e.g. lambda u: u.name.startswith('layers.').",
     )
-    return spec
+    return _Every(checkpoint_level(spec)) if isinstance(spec, str) else spec
 
 
 def resolve_check_finite(check_finite) -> bool:
