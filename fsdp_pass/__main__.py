@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--units", default="blocks", help="'blocks', 'per_parameter', or 'size:<MiB>' (BySize)")
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (-1: Thunder's order)")
-    p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATES))
+    p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATES),
+                   help="its state in the memory prediction; the auto plan prices its step too")
     p.add_argument("--layers", type=int, default=None, help="number of layers (built-in and hf: models)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (built-in and hf: models)")
     p.add_argument("--batch", type=int, default=None, help="batch per rank (built-in and hf: models)")
@@ -130,7 +131,7 @@ def explain_command(ns) -> int:
     world_size = ns.mesh[0] * ns.mesh[1] if ns.mesh else ns.world_size
     strategy = ns.strategy or ("auto" if ns.memory_budget else "zero3")
     if strategy == "auto":
-        chosen = {"memory_budget": ns.memory_budget, "cost": ns.cost or "h100-nvlink"}
+        chosen = {"memory_budget": ns.memory_budget, "cost": ns.cost or "h100-nvlink"}  # dry_run passes optimizer
     else:
         chosen = {"units": _units(ns.units), "schedule": schedule}
         if ns.memory_budget:

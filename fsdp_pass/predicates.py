@@ -297,3 +297,23 @@ def is_packing(bsym) -> bool:
 def collectives(trace) -> list:
     """The collective bound symbols of ``trace`` in program order (top level only)."""
     return [b for b in trace.bound_symbols if is_collective(b)]
+
+
+# the ops selective activation checkpointing keeps the results of (plan.checkpointing): matmuls and attentions, as
+# the functional forward trace names them (Thunder's torch language) and as its prims do
+_MATMUL = frozenset(
+    {
+        "torch.nn.functional.linear",
+        "torch.matmul",
+        "torch.bmm",
+        "torch.baddbmm",
+        "torch.nn.functional.scaled_dot_product_attention",
+        prims.PrimIDs.LINEAR,
+        prims.PrimIDs.MATMUL,
+    }
+)
+
+
+def is_matmul(bsym) -> bool:
+    """A matmul, a linear or an attention: what selective checkpointing keeps the results of."""
+    return _id(bsym) in _MATMUL

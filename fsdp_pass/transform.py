@@ -56,14 +56,17 @@ class FSDP(Transform):
     Args:
         strategy: ``"zero2"`` (keep gathered parameters for the backward), ``"zero3"`` (free them
             after forward, gather again in the backward), or ``"auto"``: the auto planner
-            (:mod:`fsdp_pass.plan.auto_plan`) chooses the units, which of them reshard after forward and the
-            prefetch depth, for the fastest predicted step within ``memory_budget``; ``explain()`` prints
-            the plan with a reason per decision.
+            (:mod:`fsdp_pass.plan.auto_plan`) chooses the units, which of them reshard after forward, the
+            prefetch depth and, where the budget needs it, which units checkpoint their activations (selective
+            or full), for the fastest predicted step within ``memory_budget``; ``explain()`` prints the plan
+            with a reason per decision.
         memory_budget: with ``"auto"``: bytes per rank the step may peak at (``"20GiB"``, ``"512MiB"``, or an
             int); default: the CUDA device's memory, no bound on the CPU.
         cost: with ``"auto"``: what collectives and compute cost (:mod:`fsdp_pass.plan.cost_model`): a name in
             ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.plan.probe.probe(...)``'s
             result measured on your ranks; default: the defaults of the device the step computes on.
+        optimizer: with ``"auto"``: what steps the shards, for its state's bytes and its time
+            (:mod:`fsdp_pass.plan.optimizers`): ``"adamw"`` (default), ``"adam"``, ``"sgd-momentum"``, ``"sgd"``.
         process_group: the group to shard over; the default group if None.
         mesh: instead of ``process_group``, a torch ``DeviceMesh``: 1-D, the group to shard over; 2-D
             ``("replicate", "shard")``, hybrid sharding (HSDP, :mod:`fsdp_pass.shard.mesh`): each parameter is
@@ -127,6 +130,7 @@ class FSDP(Transform):
         memory_budget=None,
         cost=None,
         check_finite: bool = False,
+        optimizer=None,
     ):
         self.options = FSDPOptions.resolve(
             strategy,
@@ -141,6 +145,7 @@ class FSDP(Transform):
             memory_budget=memory_budget,
             cost=cost,
             check_finite=check_finite,
+            optimizer=optimizer,
         )
         self.process_group = process_group
         self.mesh = mesh

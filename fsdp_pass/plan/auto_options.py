@@ -10,7 +10,8 @@ model prices hand-written plans from it too, :mod:`fsdp_pass.plan.price_plan`), 
    device the step computes on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), and the settings' budget, else
    the CUDA device's memory (no bound on the CPU or the meta device).
 3. The plan's units become a unit policy (:class:`PlannedUnits`), its resharding a ``reshard_after_forward``
-   function of the unit's name, its prefetch depths (one for all, and the units' own) a
+   function of the unit's name, its checkpointing a ``checkpoint_activations`` one (:class:`CheckpointNamed`,
+   the level per unit), its prefetch depths (one for all, and the units' own) a
    :class:`~fsdp_pass.plan.schedule.Schedule`.
 
 When the model is sharded, every rank takes rank 0's settings (:func:`agreed_settings`), so every rank plans
@@ -59,6 +60,16 @@ class ReshardNamed:
         return unit.name in self.names
 
 
+@dataclass(frozen=True)
+class CheckpointNamed:
+    """``checkpoint_activations`` of the auto plan: the level of each unit it names (the others: none)."""
+
+    levels: tuple[tuple[str, str], ...]
+
+    def __call__(self, unit) -> str:
+        return dict(self.levels).get(unit.name, "none")
+
+
 def device_defaults(device) -> tuple[CostInputs, int | None]:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
@@ -99,8 +110,8 @@ def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDP
     """What the step model reads of the functional forward trace ``computation`` (for any plan, auto or not);
     ``executors``: the list it will be lowered with (which attentions run fused)."""
     inp, _ = policy_input(computation, param_of_arg, model.sharding, model.tree)
-    states = options.auto.optimizer_states if options.auto is not None else AutoSettings.optimizer_states
-    return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, states,
+    optimizer = options.auto.optimizer if options.auto is not None else AutoSettings.optimizer
+    return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, optimizer,
                      model.groups.replicas, fused_attention(executors))
 
 
@@ -122,6 +133,7 @@ def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):
         options,
         unit_policy=PlannedUnits(plan.groups),
         reshard_after_forward=ReshardNamed(plan.resharded),
+        checkpoint_activations=CheckpointNamed(tuple(sorted(plan.checkpoint_by_unit.items()))),
         schedule=Schedule(prefetch=plan.candidate.prefetch, prefetch_by_unit=plan.prefetch_by_unit),
     )
     return planned, plan

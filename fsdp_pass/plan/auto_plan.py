@@ -1,5 +1,5 @@
-"""The auto planner: units, reshard-after-forward per unit, prefetch depth and offload, chosen to make the
-predicted step fastest within a memory budget, each decision with its reason.
+"""The auto planner: units, reshard-after-forward per unit, prefetch depth, activation checkpointing per unit and
+offload, chosen to make the predicted step fastest within a memory budget, each decision with its reason.
 
 ``plan_step(summary, cost, budget) -> AutoPlan`` is a pure function of a
 :class:`~fsdp_pass.plan.step_summary.StepSummary`, :class:`~fsdp_pass.plan.cost_model.CostInputs` and a budget
@@ -9,7 +9,7 @@ in bytes (None: no bound). Predictions come from :func:`~fsdp_pass.plan.step_mod
    fastest plan that fits wins, but prefetch 0 only when no deeper prefetch fits: it is a memory measure.
    The model cannot see what it costs where the probe measures no overlap (gloo on shared CPU cores): there
    an exposed gather also waits for the slower rank, and the 22 MiB plan of the README ran 10 % slower
-   at prefetch 0 than at 1 (64.5 against 58.5 ms per step on 2 ranks, the same units; README "The auto plan").
+   at prefetch 0 than at 1 (64.5 against 58.5 ms per step on 2 ranks, the same units; docs/units-cost-schedule.md, "The auto plan").
 2. For one prefetch depth, start from one unit per block (the ``Blocks`` policy's units) and move greedily:
    at each step try merging every two neighbouring units and splitting every unit at each of its pieces, and
    take the move that shortens the predicted step most; stop when none does. A move that needs more memory
@@ -25,8 +25,14 @@ in bytes (None: no bound). Predictions come from :func:`~fsdp_pass.plan.step_mod
 4. For the plan chosen, give units a prefetch depth of their own (1 or 2; 0 too when the plan's is 0) one at
    a time, each change kept when it shortens the predicted step within the budget; a unit gathered later
    holds its bytes for less time, and that may let resharded units stay gathered (tried after each change).
-5. No plan fits: an FSDPError naming the smallest budget one does (every piece its own unit, all resharded,
-   no prefetch, offload on when allowed).
+5. Activation checkpointing (:mod:`~fsdp_pass.plan.auto_checkpoint`) only when no plan fits without it, and
+   before offload (which needs the user's ``offload_to``): for a set of units whose peak is over the budget
+   with every unit resharded, units checkpoint their activations, selective before full, those that free most
+   bytes per recompute second first, as few as fit; for the plan chosen, each unit's level is then stepped down
+   wherever the budget allows, before units are kept gathered (step 3). The reasons name each checkpointed
+   unit, what it keeps and what its backward recomputes.
+6. No plan fits: an FSDPError naming the smallest budget one does (every piece its own unit, all resharded,
+   no prefetch, every unit checkpointed, offload on when allowed).
 """
 
 from __future__ import annotations
@@ -34,6 +40,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from fsdp_pass.errors import check, fail
+from fsdp_pass.plan.auto_checkpoint import (
+    checkpoint_reasons,
+    checkpointed_for_budget,
+    fewest_checkpointed,
+    moves,
+    with_moves,
+)
+from fsdp_pass.plan.checkpointing import NONE
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.step_model import (
     OPS_PER_COLLECTIVE,
@@ -93,8 +107,9 @@ class _Tried:
 
 
 class _Planner:
-    def __init__(self, summary: StepSummary, cost: CostInputs, budget: int | None):
+    def __init__(self, summary: StepSummary, cost: CostInputs, budget: int | None, checkpointing: bool = False):
         self.summary, self.cost, self.budget = summary, cost, budget
+        self.checkpointing = checkpointing  # units may checkpoint activations where resharding all is not enough
 
     def reshard_for_budget(self, starts, prefetch: int, offload: bool) -> Candidate:
         """Keep every unit gathered, or reshard the largest first, as few as bring the peak within budget (fast:
@@ -210,7 +225,16 @@ class _Planner:
     def tried(self, starts, prefetch: int, offload: bool) -> _Tried:
         candidate = self.reshard_for_budget(tuple(starts), prefetch, offload)
         names = unit_names(self.summary, candidate.starts)
-        return _Tried(candidate, predict(self.summary, candidate, self.cost, names), tuple(names))
+        prediction = predict(self.summary, candidate, self.cost, names)
+        if self.checkpointing and not _fits(prediction, self.budget):
+            candidate = checkpointed_for_budget(self.summary, candidate, self.cost, self.budget, names)
+            prediction = predict(self.summary, candidate, self.cost, names)
+        return _Tried(candidate, prediction, tuple(names))
+
+    def fewest_checkpointed(self, t: _Tried) -> _Tried:
+        """``t`` with each unit's checkpointing stepped down where the budget allows (auto_checkpoint item 3)."""
+        c = fewest_checkpointed(self.summary, t.candidate, self.cost, self.budget, t.names)
+        return t if c == t.candidate else _Tried(c, predict(self.summary, c, self.cost, list(t.names)), t.names)
 
     def moves(self, starts: tuple[int, ...]):
         """(description, new starts) of every merge of two neighbours and every split of a unit."""
@@ -300,6 +324,12 @@ class AutoPlan:
         return frozenset(n for n, r in zip(self.names, self.candidate.reshard) if r)
 
     @property
+    def checkpoint_by_unit(self) -> dict[str, str]:
+        """The units whose activations are checkpointed, and at which level (plan.checkpointing)."""
+        c = self.candidate
+        return {n: c.level_of(i) for i, n in enumerate(self.names) if c.level_of(i) != NONE}
+
+    @property
     def prefetch_by_unit(self) -> dict[str, int]:
         """The units whose prefetch depth is their own (``Schedule.prefetch_by_unit``)."""
         c = self.candidate
@@ -309,8 +339,9 @@ class AutoPlan:
         p, c = self.prediction, self.candidate
         costs = unit_costs(self.summary, c, self.cost)
         rows = [
-            (name, len(span), human_bytes(u.gathered), "yes" if r else "no", c.depth_of(i),
-             ms(u.forward_total_s() + u.backward_total_s(r)), ms(u.gather_s), ms(u.reduce_s))
+            (name, len(span), human_bytes(u.gathered), "yes" if r else "no", c.depth_of(i), c.level_of(i),
+             human_bytes(u.activations), ms(u.forward_total_s() + u.backward_total_s(r)), ms(u.gather_s),
+             ms(u.reduce_s))
             for i, (name, span, u, r) in enumerate(zip(self.names, c.spans(len(self.summary.pieces)), costs, c.reshard))
         ]
         budget = "no budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -322,8 +353,8 @@ class AutoPlan:
             f"Auto plan over {self.summary.ranks} ranks{hsdp}: {len(self.names)} units, prefetch {c.prefetch}{own}, "
             f"offload {'on' if c.offload else 'off'}; {budget}",
             f"cost inputs: {self.cost}",
-            *format_table(("unit", "pieces", "gathered", "reshard", "prefetch", "compute", "gather", reduce),
-                          rows),
+            *format_table(("unit", "pieces", "gathered", "reshard", "prefetch", "checkpoint", "kept", "compute",
+                           "gather", reduce), rows),
             *p.lines(self.budget),
         ]
         for name, other in self.compared:
@@ -359,10 +390,13 @@ def _reshard_reasons(summary: StepSummary, t: _Tried, budget: int | None, cost: 
     return out
 
 
-def smallest_peak(summary: StepSummary, cost: CostInputs, offload: bool = True) -> Prediction:
-    """The lowest peak any plan reaches: every piece its own unit, all resharded, no prefetch."""
+def smallest_peak(summary: StepSummary, cost: CostInputs, offload: bool = True, checkpoint: bool = True) -> Prediction:
+    """The lowest peak any plan reaches: every piece its own unit, all resharded, no prefetch (with ``checkpoint``,
+    every unit checkpointed: the lowest of full and selective for each, which is full unless it keeps more)."""
     n = len(summary.pieces)
     finest = Candidate(tuple(range(n)), (True,) * (n - 1) + (False,), 0, offload)
+    if checkpoint:
+        finest = with_moves(finest, moves(summary, finest, cost))
     return predict(summary, finest, cost)
 
 
@@ -373,40 +407,40 @@ def plan_step(
     *,
     offload: bool | None = None,
     prefetch_depths=PREFETCH_DEPTHS,
+    checkpointing: bool = True,
 ) -> AutoPlan:
     """The fastest predicted plan whose predicted peak is within ``budget`` bytes (module docstring).
-    ``offload``: None lets the planner turn it on when nothing fits without; True or False decides it."""
+    ``offload``: None lets the planner turn it on when nothing fits without; True or False decides it.
+    ``checkpointing``: whether units may checkpoint their activations when nothing fits without."""
     check(len(summary.pieces) > 0, "The step reads no parameters: there is nothing to plan.",
           "Plan a model whose forward reads its parameters.")
     check(budget is None or budget > 0, f"memory_budget={budget!r} is not a positive number of bytes.",
           "Pass e.g. memory_budget='20GiB'.")
-    planner = _Planner(summary, cost, budget)
     reasons: list[str] = []
     choices = (False, True) if offload is None else (offload,)
+    stages = [(off, ckpt) for off in choices for ckpt in ((False, True) if checkpointing else (False,))]
     fitting: dict = {}
-    for off in choices:
+    for off, ckpt in stages:  # checkpointing before offload: offload needs the user's offload_to
+        planner = _Planner(summary, cost, budget, ckpt)
         tried = {d: planner.units_for(d, off) for d in prefetch_depths}
         fitting = {d: t for d, t in tried.items() if _fits(t[0].prediction, budget)}
         if fitting:
             break
-        if not off and offload is None:
-            least = min(t[0].prediction.peak_bytes for t in tried.values())
-            reasons.append(f"offload on: without it no plan fits (a peak of {human_bytes(least)} at best), so the "
-                           "shards, their gradients and the optimizer state live on the host between uses")
+        least = min(t[0].prediction.peak_bytes for t in tried.values())
+        if not ckpt and checkpointing:
+            reasons.append(f"checkpointing considered: without it no plan fits (a peak of {human_bytes(least)} at "
+                           f"best{', offload on' if off else ''})")
+        elif not off and offload is None:
+            reasons.append(f"offload on: without it no plan fits (a peak of {human_bytes(least)} at best, "
+                           "checkpointing included), so the shards, their gradients and the optimizer state live on "
+                           "the host between uses")
     if not fitting:
-        low = smallest_peak(summary, cost, choices[-1])
-        fail(
-            f"No plan fits memory_budget={human_bytes(budget)}: the smallest predicted peak is "
-            f"{human_bytes(low.peak_bytes)} (every piece its own unit, all resharded after forward, no prefetch"
-            f"{', offload on' if choices[-1] else ''}); {human_bytes(summary.activation_bytes)} of it are "
-            "activations.",
-            f"Pass memory_budget >= {human_bytes(low.peak_bytes)} (or {low.peak_bytes} bytes), use more ranks, or "
-            "checkpoint activations (checkpoint_activations=True).",
-        )
+        _no_plan_fits(summary, cost, budget, choices[-1], checkpointing)
     if any(d > 0 for d in fitting):  # prefetch 0 is a memory measure only (module docstring)
         fitting = {d: t for d, t in fitting.items() if d > 0}
     depth = min(fitting, key=lambda d: (fitting[d][0].prediction.step_s, abs(d - 1)))  # ties: the default, 1
     best, move_reasons = fitting[depth]
+    best = planner.fewest_checkpointed(best)
     best = planner.fewest_resharded(best)
     best, depth_reasons = planner.per_unit_depths(best)
     if offload is not None:
@@ -421,8 +455,25 @@ def plan_step(
     reasons.extend(move_reasons or ["units: one per block; no merge or split shortens the predicted step"])
     reasons.extend(depth_reasons)
     reasons.extend(_reshard_reasons(summary, best, budget, cost))
+    if best.candidate.checkpoint:
+        without = predict(summary, replace(best.candidate, checkpoint=()), cost, list(best.names)).peak_bytes
+        reasons.extend(checkpoint_reasons(summary, best.candidate, cost, best.names, without, budget))
+    elif checkpointing and budget is not None:
+        reasons.append("no unit checkpoints its activations: the plan fits without")
     return AutoPlan(summary, best.candidate, best.names, best.prediction, budget, cost, tuple(reasons),
                     _compared(summary, cost, best.candidate.offload))
+
+
+def _no_plan_fits(summary: StepSummary, cost: CostInputs, budget: int, offload: bool, checkpointing: bool):
+    low = smallest_peak(summary, cost, offload, checkpointing)
+    how = ", every unit checkpointed" if checkpointing else ""
+    fail(
+        f"No plan fits memory_budget={human_bytes(budget)}: the smallest predicted peak is "
+        f"{human_bytes(low.peak_bytes)} (every piece its own unit, all resharded after forward, no prefetch"
+        f"{', offload on' if offload else ''}{how}); without checkpointing "
+        f"{human_bytes(summary.activation_bytes)} are activations.",
+        f"Pass memory_budget >= {human_bytes(low.peak_bytes)} (or {low.peak_bytes} bytes), or use more ranks.",
+    )
 
 
 def _compared(summary: StepSummary, cost: CostInputs, offload: bool) -> tuple[tuple[str, Prediction], ...]:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fsdp_pass.errors import check
+from fsdp_pass.plan.checkpointing import LEVELS, checkpoint_level
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.optimizers import ADAMW, Optimizer, resolve_optimizer
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import Strategy, parse_strategy
@@ -28,16 +30,26 @@ def _always(unit: Unit) -> bool:
     return True
 
 
-def checkpoint_predicate(spec) -> Callable[[Unit], bool]:
-    """``checkpoint_activations=``: a bool, or a function ``Unit -> bool``."""
+@dataclass(frozen=True)
+class _Every:
+    level: str
+
+    def __call__(self, unit: Unit) -> str:
+        return self.level
+
+
+def checkpoint_predicate(spec) -> Callable[[Unit], bool | str]:
+    """``checkpoint_activations=``: a bool, a level (``"selective"``, ``"full"``: plan.checkpointing) for every
+    unit, or a function ``Unit -> bool or level``."""
     if isinstance(spec, bool):
         return _always if spec else _never
     check(
-        callable(spec),
-        f"checkpoint_activations={spec!r} is neither a bool nor a function of a unit.",
-        "Pass True (every unit), False, or a function Unit -> bool, e.g. lambda u: u.name.startswith('layers.').",
+        callable(spec) or (isinstance(spec, str) and spec.lower() in LEVELS),
+        f"checkpoint_activations={spec!r} is neither a bool, a level nor a function of a unit.",
+        "Pass True (every unit, full), 'selective' (every unit keeps its matmuls' results), False, or a function "
+        "Unit -> bool or level, e.g. lambda u: u.name.startswith('layers.').",
     )
-    return spec
+    return _Every(checkpoint_level(spec)) if isinstance(spec, str) else spec
 
 
 def resolve_check_finite(check_finite) -> bool:
@@ -68,12 +80,12 @@ def resolve_timeout(timeout) -> datetime.timedelta:
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """``FSDP("auto", memory_budget=..., cost=...)``: what the auto planner (:mod:`fsdp_pass.plan.auto_plan`)
+    """``FSDP("auto", memory_budget=..., cost=..., optimizer=...)``: what the auto planner (:mod:`fsdp_pass.plan.auto_plan`)
     plans with. ``cost`` None: the defaults of the device the step computes on."""
 
     memory_budget: int | None = None  # bytes per rank; None: the device's memory (no bound on the CPU)
     cost: CostInputs | None = None
-    optimizer_states: int = 2  # parameter-sized optimizer states per element (Adam)
+    optimizer: Optimizer = ADAMW  # what steps the shards: its states and its time (plan.optimizers)
 
 
 def parse_bytes(value) -> int | None:
@@ -113,7 +125,7 @@ class FSDPOptions:
     unit_policy: object = field(default_factory=Blocks)  # groups parameters into units (plan.unit_policies)
     reshard_after_forward: bool | Callable[[Unit], bool] | None = None  # None: the strategy decides
     schedule: Schedule | None = DEFAULT_SCHEDULE  # None: Thunder's order
-    checkpoint_activations: Callable[[Unit], bool] = _never
+    checkpoint_activations: Callable[[Unit], bool | str] = _never
     mixed_precision: MixedPrecision = FULL_PRECISION
     offload_to: str | None = None  # where shards, their gradients and the optimizer state live between uses
     verify_ranks: bool = True  # check at every step that every rank issues the same collectives
@@ -137,21 +149,24 @@ class FSDPOptions:
         memory_budget=None,
         cost=None,
         check_finite: bool = False,
+        optimizer=None,
     ) -> FSDPOptions:
         """The options from what a user passes to ``FSDP(...)``."""
         auto = None
         if isinstance(strategy, str) and strategy.lower() == "auto":
             chosen = [name for name, value, default in (
                 ("units", units, "blocks"), ("reshard_after_forward", reshard_after_forward, None),
-                ("schedule", schedule, DEFAULT_SCHEDULE)) if value != default]
+                ("schedule", schedule, DEFAULT_SCHEDULE), ("checkpoint_activations", checkpoint_activations, False))
+                if value is not default and value != default]
             check(not chosen, f"FSDP('auto') chooses {', '.join(chosen)} itself, and they were passed too.",
                   "Leave them out (the plan and its reasons print with fsdp_pass.explain(model)), or pass "
                   "'zero2'/'zero3' to choose them by hand.")
-            strategy, auto = "zero3", AutoSettings(parse_bytes(memory_budget), resolve_cost(cost))
+            strategy, auto = "zero3", AutoSettings(parse_bytes(memory_budget), resolve_cost(cost),
+                                                   resolve_optimizer(optimizer))
         else:
-            check(memory_budget is None and cost is None,
-                  "memory_budget= and cost= are read by the auto planner only.",
-                  "Pass FSDP('auto', memory_budget='20GiB'), or leave them out.")
+            check(memory_budget is None and cost is None and optimizer is None,
+                  "memory_budget=, cost= and optimizer= are read by the auto planner only.",
+                  "Pass FSDP('auto', memory_budget='20GiB', optimizer='sgd'), or leave them out.")
         return cls(
             parse_strategy(strategy, also=("auto",)),
             resolve_policy(units),

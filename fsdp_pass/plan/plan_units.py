@@ -7,7 +7,8 @@
    last one the forward gathers (the backward starts with it, so freeing it would only mean
    gathering it again at once); ``reshard_after_forward`` overrides this.
 5. Order units by first use; that is the order of their all-gathers.
-6. Mark the units whose activations are checkpointed (``checkpoint_activations``, asked per unit).
+6. Mark the units whose activations are checkpointed, and at which level (``checkpoint_activations``, asked per
+   unit: :mod:`~fsdp_pass.plan.checkpointing`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdp_pass.errors import check
+from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
@@ -104,7 +106,7 @@ def plan_units(
     ]
     units.sort(key=lambda u: u.first_use)
     units = _reshard(units, sharding.strategy, options.reshard_after_forward, notes)
-    units = [replace(u, checkpointed=bool(options.checkpoint_activations(u))) for u in units]
+    units = [replace(u, checkpoint=checkpoint_level(options.checkpoint_activations(u))) for u in units]
     return UnitPlan(
         sharding=sharding,
         units=tuple(units),

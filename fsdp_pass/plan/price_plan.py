@@ -7,15 +7,16 @@ either against a measured step.
 
 1. :func:`candidate_of` reads the plan as the step model's :class:`~fsdp_pass.plan.step_model.Candidate`: each
    unit a run of consecutive pieces (:mod:`~fsdp_pass.plan.step_summary`), in forward order, with its
-   resharding and its prefetch depth (``Schedule.prefetch``, ``prefetch_by_unit``), and whether the shards are
-   offloaded.
+   resharding and its prefetch depth (``Schedule.prefetch``, ``prefetch_by_unit``), whether the shards are
+   offloaded, and each unit's activation checkpointing level (``checkpoint_activations``).
 2. :func:`~fsdp_pass.plan.step_model.predict` prices it with ``cost`` (a ``cost_model.DEFAULTS`` name,
    ``CostInputs``, or a probe's result; None: what an auto plan was made with, else the defaults of the device
-   the step computes on), the optimizer being AdamW (two states per parameter, its probed time).
+   the step computes on), the optimizer being the one the summary was made for (AdamW unless
+   ``FSDP("auto", optimizer=...)`` said otherwise).
 
 A plan the model cannot describe is an FSDPError that says why: a unit that cuts a piece (per-parameter
-units cut a layer's attention or MLP into its weights), checkpointed units (the model has no recompute), or
-a schedule it does not follow (Thunder's own order, a bound on unused gathered bytes, kept units not first).
+units cut a layer's attention or MLP into its weights), or a schedule it does not follow (Thunder's own order,
+a bound on unused gathered bytes, kept units not first).
 HSDP's all-reduce across replicas is not priced: the shard group's collectives are.
 """
 
@@ -48,11 +49,6 @@ def _units_in_order(summary: StepSummary, plan: UnitPlan) -> list[tuple[int, Uni
             f"{_PRICED}: units of whole blocks or of a block's children (Blocks, BySize, FSDP('auto')), "
             "not PerParameter.",
         )
-        check(
-            not unit.checkpointed,
-            f"Unit {unit.name} is checkpointed: the step model has no recompute, so it cannot price this plan.",
-            f"{_PRICED}. Price the plan without checkpoint_activations.",
-        )
         spans.append((pieces[0], pieces[-1], unit))
     spans.sort(key=lambda s: s[0])
     check(
@@ -78,12 +74,14 @@ def _candidate(units: list[tuple[int, Unit]], options: FSDPOptions) -> Candidate
     )
     own = dict(schedule.prefetch_by_unit)
     depths = tuple(own.get(unit.name, schedule.prefetch) for _, unit in units)
+    levels = tuple(unit.checkpoint for _, unit in units)
     return Candidate(
         tuple(first for first, _ in units),
         tuple(unit.reshard_after_forward for _, unit in units),
         schedule.prefetch,
         options.offload_to is not None,
         depths if any(d != schedule.prefetch for d in depths) else (),
+        levels if any(unit.checkpointed for _, unit in units) else (),
     )
 
 

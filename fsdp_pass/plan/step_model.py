@@ -28,8 +28,10 @@ the torch executor runs per traced op), summed with the device time on a CPU, th
 host runs ahead (CUDA). The backward computes twice the forward in every term. Each collective adds
 :data:`OPS_PER_COLLECTIVE` ops on the compute queue (pack, collective, wait, unpack) and the copies of its packing
 and unpacking. The optimizer steps after the backward (``CostInputs.optimizer_seconds``: per parameter tensor,
-per byte of this rank's shards; offloaded, it steps on the host, priced the same). The step ends when both
-queues and the optimizer are done; what is neither compute nor the optimizer is *exposed* communication. Where
+per byte of this rank's shards, AdamW's scaled to the summary's optimizer, :mod:`~fsdp_pass.plan.optimizers`;
+offloaded, it steps on the host, priced the same). A checkpointed unit's backward
+first recomputes what it did not keep (:func:`kept_and_recompute`: its whole forward, or for the selective level
+all but its matmuls and attentions). The step ends when both queues and the optimizer are done; what is neither compute nor the optimizer is *exposed* communication. Where
 the two queues share the same cores (``CostInputs.overlap`` below 1: gloo's threads and the compute on one CPU),
 the communication that ran beside compute slows it by the share it does not hide.
 
@@ -40,12 +42,13 @@ Memory, per rank, at the end of each unit's forward and at both ends of its back
   ``zero_grad()`` frees them; none on the device with offload), so all of them at the optimizer's step;
 - gathered units: those kept for the backward (not resharded) since their forward, the unit computing, and
   the gathers issued and not yet used;
-- activations: every piece's up to this point of the forward, or not yet passed back in the backward;
+- activations: every piece's up to this point of the forward, or not yet passed back in the backward (a
+  checkpointed unit's: what it keeps; at the start of its backward what it recomputes too);
 - in the backward, the buffers of the two reduce-scatters still in flight, the gathers issued and not yet used,
   the gradient of the forward's output, which the autograd engine holds through the whole backward, and the
   larger of the unit's two ends: its start (its gathered parameters, its activations, and its working set:
   :data:`WORKING_RESULTS` times its largest forward result, the gradient an op receives, the one it makes, a
-  temporary) and its end (its gradients and the flat buffer they are packed into, twice its gradient bytes,
+  temporary; checkpointed, what it recomputed) and its end (its gradients and the flat buffer they are packed into, twice its gradient bytes,
   its parameters and activations freed: the ops that make the gradients read them for the last time).
 
 Not modelled: ``Schedule.max_unused_bytes``, scratch memory inside an op, fusion (a fused region is one op with
@@ -57,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from fsdp_pass.plan.checkpointing import FULL, NONE
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.report.text import human_bytes
@@ -80,9 +84,13 @@ class Candidate:
     prefetch: int = 1
     offload: bool = False
     depths: tuple[int, ...] = ()  # per unit, its own prefetch depth (empty: every unit ``prefetch``)
+    checkpoint: tuple[str, ...] = ()  # per unit, its activation checkpointing level (empty: none anywhere)
 
     def depth_of(self, unit: int) -> int:
         return self.depths[unit] if self.depths else self.prefetch
+
+    def level_of(self, unit: int) -> str:
+        return self.checkpoint[unit] if self.checkpoint else NONE
 
     def spans(self, n_pieces: int) -> list[range]:
         ends = (*self.starts[1:], n_pieces)
@@ -101,12 +109,14 @@ class UnitCost:
     gather_ops_s: float = 0.0  # on the compute queue: packing, issuing, waiting for, unpacking one gather
     reduce_ops_s: float = 0.0  # the same for its reduce-scatter
     working: int = 0  # its backward's gradients of activations and temporaries
+    recomputed: int = 0  # checkpointed: what its backward recomputes before it starts (``activations``: what it keeps)
+    recompute_s: float = 0.0  # the time that takes
 
     def forward_total_s(self) -> float:
         return self.forward_s + self.gather_ops_s
 
     def backward_total_s(self, gathers_again: bool) -> float:
-        return 2 * self.forward_s + self.reduce_ops_s + (self.gather_ops_s if gathers_again else 0.0)
+        return 2 * self.forward_s + self.recompute_s + self.reduce_ops_s + (self.gather_ops_s if gathers_again else 0.0)
 
 
 @dataclass(frozen=True)
@@ -140,10 +150,30 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
+def kept_and_recompute(summary: StepSummary, span: range, level: str, cost: CostInputs) -> tuple[int, float]:
+    """(bytes the unit of ``span``'s pieces keeps for its backward, seconds its backward recomputes) at checkpointing
+    ``level``: none keeps every piece's activations; full keeps what pieces after the unit read of it and
+    recomputes its whole forward; selective keeps that and its matmuls' and attentions' results, and recomputes
+    the rest (their elementwise bytes, their ops on the host)."""
+    ps = [summary.pieces[i] for i in span]
+    every = sum(p.activation_bytes for p in ps)
+    if level == NONE:
+        return every, 0.0
+    read_later = sum(b for p in ps for reader, b in p.read_later if reader >= span.stop)
+    flops, ops, moved = sum(p.flops for p in ps), sum(p.ops for p in ps), sum(p.moved_bytes for p in ps)
+    if level == FULL:
+        return min(every, read_later), cost.compute_seconds(flops, EXECUTED_OPS_PER_TRACE_OP * ops, moved)
+    kept = min(every, read_later + sum(p.matmul_activation_bytes for p in ps))
+    rest_ops = EXECUTED_OPS_PER_TRACE_OP * (ops - sum(p.matmul_ops for p in ps))
+    return kept, cost.compute_seconds(flops - sum(p.matmul_flops for p in ps), rest_ops, moved)
+
+
 def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> list[UnitCost]:
     out = []
-    for span in candidate.spans(len(summary.pieces)):
+    for u, span in enumerate(candidate.spans(len(summary.pieces))):
         ps = [summary.pieces[i] for i in span]
+        every = sum(p.activation_bytes for p in ps)
+        kept, recompute_s = kept_and_recompute(summary, span, candidate.level_of(u), cost)
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
         shard = sum(p.shard_bytes for p in ps)
         ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)
@@ -155,7 +185,7 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 gathered,
                 grads,
                 shard,
-                sum(p.activation_bytes for p in ps),
+                kept,
                 cost.compute_seconds(sum(p.flops for p in ps), ops, sum(p.moved_bytes for p in ps)),
                 cost.link.seconds(gathered, summary.ranks, ALL_GATHER),
                 cost.link.seconds(grads, summary.ranks, REDUCE_SCATTER) + _across_replicas_s(summary, grads, cost),
@@ -163,6 +193,8 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)),
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)),
                 WORKING_RESULTS * max(p.largest_result_bytes for p in ps),
+                every - kept,
+                recompute_s,
             )
         )
     return out
@@ -259,8 +291,11 @@ def compute_seconds(units: list[UnitCost], candidate: Candidate) -> float:
 
 
 def optimizer_seconds(summary: StepSummary, cost: CostInputs) -> float:
-    """The optimizer step over this rank's shards (offloaded, it runs on the host: at the same rates here)."""
-    return cost.optimizer_seconds(summary.tensors, summary.shard_bytes)
+    """The optimizer step over this rank's shards (offloaded, it runs on the host: at the same rates here): the
+    probed AdamW's per tensor and per byte, scaled to the summary's optimizer (plan.optimizers)."""
+    o = summary.optimizer
+    return (o.tensor_scale * cost.optimizer_seconds(summary.tensors, 0)
+            + o.byte_scale * cost.optimizer_seconds(0, summary.shard_bytes))
 
 
 def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) -> list[int]:
@@ -307,7 +342,7 @@ def peak_of(
         # its backward starts with its parameters gathered, its activations kept and the gradients of its largest
         # results being made, and ends with its gradients packed for the reduce-scatter, the rest freed: each op
         # of it that makes a gradient frees what it read
-        start = units[j].gathered + acts + units[j].working
+        start = units[j].gathered + acts + units[j].recomputed + units[j].working
         live = common + max(start, acts - units[j].activations + 2 * units[j].grads)
         if live > best:
             best, where = live, f"backward of {names[j]}"

@@ -14,16 +14,18 @@ Read off the functional forward trace, before any rewriting:
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
    :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, others one
    per output element).
-4. ``activation_bytes``: those ops' results that a later op needs for its own gradient (a matmul's input,
-   a product's factor, a normalization's or an activation function's input), views and results read only
-   by sums, copies and re-layouts left out: an estimate of what the backward keeps (Thunder's autodiff may
-   save other tensors, fusion recomputes some). An attention that no executor runs as one kernel with a
-   backward of its own is computed op by op, and keeps b·h·s_q·s_k scores twice (the softmax's input and
-   output) and its mask; a fused kernel (torch's SDPA on CUDA) keeps a log-sum-exp per row, left out. The dry run's
-   traced peak (``explain()``) is the check on it.
+4. ``activation_bytes``: what the backward keeps of those ops, as Thunder's autodiff keeps it
+   (:mod:`~fsdp_pass.plan.saved_tensors`: each op differentiated alone): the results it keeps, each charged
+   to the piece whose op made it (a view to what it views), and the intermediates of the decompositions it
+   differentiates through (a tanh GELU's, a layer norm's, an attention's scores where no executor runs it as
+   one kernel with a backward of its own: torch's SDPA on CUDA keeps a log-sum-exp per row, left out).
+   ``matmul_activation_bytes`` the part that matmuls and attentions make (what selective checkpointing keeps),
+   ``read_later`` the results that later pieces read (what a checkpointed unit keeps). Fusion may recompute
+   some: on a fusion executor this is an upper bound. The dry run's traced peak (``explain()``) is the check.
 
 5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
-   views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them); ``moved_bytes``: what the ops that are
+   views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them), ``matmul_ops`` and ``matmul_flops`` the
+   matmuls' and attentions' part; ``moved_bytes``: what the ops that are
    neither matmuls nor views read and write (elementwise ops, reductions, normalizations), their tensors' bytes;
    ``largest_result_bytes``: the largest floating-point result of those ops that the forward does not return (the
    backward's working set is counted in these: the gradient an op receives, the one it makes, a temporary; the
@@ -48,7 +50,9 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.op_flops import estimated_flops, is_attention, is_matmul_like
+from fsdp_pass.plan.saved_tensors import Saved, saved_by_op
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like
@@ -67,19 +71,29 @@ class Piece:
     ops: int = 0  # forward ops of the functional trace
     moved_bytes: int = 0  # bytes the forward's elementwise ops read and write
     largest_result_bytes: int = 0  # the largest floating-point result of one of its ops, not returned
+    matmul_flops: float = 0.0  # the part of ``flops`` its matmuls and attentions compute
+    matmul_ops: int = 0  # the part of ``ops`` they are
+    matmul_activation_bytes: int = 0  # the part of ``activation_bytes`` they make (what selective checkpointing keeps)
+    # (the last piece that reads them, bytes): its results read by later pieces, which a checkpointed unit keeps
+    read_later: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class StepSummary:
     pieces: tuple[Piece, ...]
     ranks: int  # of the shard group
-    optimizer_states: int = 2  # parameter-sized optimizer states per trainable element (Adam: 2)
+    optimizer: Optimizer = ADAMW  # what steps the shards: its states per element and its time (plan.optimizers)
     output_bytes: int = 0  # the forward's floating-point results: their gradients live through the backward
     replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
 
     @property
     def shard_bytes(self) -> int:
         return sum(p.shard_bytes for p in self.pieces)
+
+    @property
+    def optimizer_states(self) -> int:
+        """Parameter-sized optimizer states per trainable element (AdamW: 2)."""
+        return self.optimizer.states
 
     @property
     def state_bytes(self) -> int:
@@ -115,7 +129,8 @@ def _pieces_of(inp: PolicyInput) -> list[tuple[str, str, list[str]]]:
     return sorted(out, key=lambda item: inp.first_use[item[2][0]])
 
 
-# ops whose gradient does not read their tensor inputs: a result read only by these is not kept for the backward
+# ops whose gradient does not read their tensor inputs: where Thunder cannot be asked what an op keeps
+# (saved_tensors.saved_by_op gives None), an op not among these is taken to keep its inputs
 _GRADIENT_NEEDS_NO_INPUT = frozenset(
     ("add", "sub", "neg", "cat", "reshape", "view", "permute", "transpose", "contiguous", "unsqueeze", "squeeze",
      "expand", "flatten", "getitem", "split", "chunk", "slice", "to", "type_as", "clone", "sum", "mean",
@@ -130,7 +145,7 @@ def _tensor_bytes(proxies) -> int:
 def attention_scores_bytes(bsym) -> int:
     """What an attention computed op by op keeps for its backward besides its inputs and output: its scores
     before and after the softmax, b·h·s_q·s_k each in the query's dtype, and for a causal or masked one the
-    mask broadcast to them, a byte each."""
+    mask broadcast to them, a byte each (the fallback where Thunder cannot be asked, item 4)."""
     args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), bsym.args), **bsym.kwargs)
     q, k = args["query"], args["key"]
     scores = (int(q.numel) // int(q.shape[-1])) * int(k.shape[-2])
@@ -138,19 +153,57 @@ def attention_scores_bytes(bsym) -> int:
     return scores * (2 * q.dtype.bytes + (1 if masked else 0))
 
 
+def _kept_by(bsym, fused_attention, needs_grad) -> Saved:
+    """What ``bsym`` keeps for the backward: a fused attention its inputs and output; another op what Thunder's
+    autodiff keeps of it (:mod:`~fsdp_pass.plan.saved_tensors`); where Thunder cannot be asked, its inputs
+    unless its gradient reads none (an attention computed op by op: its scores too)."""
+    args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+    outs = [p for p in bsym.flat_proxy_outs if isinstance(p, TensorProxy)]
+    if is_attention(bsym) and fused_attention(bsym):
+        return Saved(tuple(range(len(args))), tuple(range(len(outs))), 0)
+    saved = saved_by_op(bsym, needs_grad)
+    if saved is not None:
+        return saved
+    if str(bsym.sym.name) in _GRADIENT_NEEDS_NO_INPUT:
+        return Saved((), (), 0)
+    return Saved(tuple(range(len(args))), (), attention_scores_bytes(bsym) if is_attention(bsym) else 0)
+
+
+@dataclass
+class _Tally:
+    """Per piece, what the forward's ops add up to (``_ops_by_piece``)."""
+
+    flops: list
+    matmul_flops: list
+    ops: list
+    matmul_ops: list
+    moved: list
+    largest: list
+    acts: list
+    matmul_acts: list
+    escaping: list  # per piece: {last reading piece: bytes}
+
+
 def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False,
-                  outputs: frozenset[str] = frozenset()):
-    """FLOPs, kept result bytes, op counts, elementwise bytes moved and largest results (``outputs``, the names the
-    forward returns, left out) of the forward's ops, each charged to the piece whose parameter the trace read last
-    before it."""
-    flops, acts, ops, moved, largest = [0.0] * n, [0] * n, [0] * n, [0] * n, [0] * n
+                  outputs: frozenset[str] = frozenset()) -> _Tally:
+    """FLOPs, op counts, elementwise bytes moved, largest results (``outputs``, the names the forward returns,
+    left out), kept bytes (all, and those matmuls make) and the bytes read after the piece, of the forward's ops,
+    each charged to the piece whose parameter the trace read last before it."""
+    t = _Tally(*([0] * n for _ in range(9)))
+    t.flops, t.matmul_flops, t.escaping = [0.0] * n, [0.0] * n, [{} for _ in range(n)]
     if n == 0:  # a model without parameters: no piece to charge
-        return flops, acts, ops, moved, largest
-    readers: dict[str, int] = {}  # results read by an op whose gradient needs them
-    for bsym in computation.bound_symbols:
-        if str(bsym.sym.name) not in _GRADIENT_NEEDS_NO_INPUT and not is_view_like(bsym):
-            for p in bsym.flat_proxy_args:
-                readers[p.name] = readers.get(p.name, 0) + 1
+        return t
+    made_in: dict[str, int] = {}  # a result's name -> the piece whose op made it
+    by_matmul: set[str] = set()
+    base: dict[str, str] = {}  # a view's name -> the result it views
+    proxy: dict[str, TensorProxy] = {}
+    kept: set[str] = set()
+    last_read: dict[str, int] = {}
+    differentiated: set[str] = set()  # the results that depend on a parameter (the trace marks parameters only)
+
+    def needs_grad(p) -> bool:
+        return bool(p.requires_grad) or p.name in differentiated
+
     current = 0
     for bsym in computation.bound_symbols:
         if is_return(bsym) or is_bookkeeping(bsym):
@@ -158,17 +211,50 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
         read = [piece_of_arg[p.name] for p in bsym.flat_proxy_args if p.name in piece_of_arg]
         if read:
             current = max(read)
-        flops[current] += estimated_flops(bsym)
-        ops[current] += 1
-        if not is_view_like(bsym):
-            acts[current] += _tensor_bytes(o for o in bsym.flat_proxy_outs if readers.get(o.name, 0) > 0)
-            if is_attention(bsym) and not fused_attention(bsym):
-                acts[current] += attention_scores_bytes(bsym)
-            if not is_matmul_like(bsym):
-                moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
-            kept_inside = [o for o in bsym.flat_proxy_outs if is_float_tensor(o) and o.name not in outputs]
-            largest[current] = max([largest[current], *(_tensor_bytes((o,)) for o in kept_inside)])
-    return flops, acts, ops, moved, largest
+        args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+        for p in args:
+            name = base.get(p.name, p.name)
+            if name in made_in:
+                last_read[name] = max(last_read.get(name, 0), current)
+        flops = estimated_flops(bsym)
+        matmul = is_matmul_like(bsym)
+        t.flops[current] += flops
+        t.ops[current] += 1
+        if matmul:
+            t.matmul_flops[current] += flops
+            t.matmul_ops[current] += 1
+        outs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+        if any(needs_grad(p) for p in args):
+            differentiated.update(o.name for o in outs if is_float_tensor(o))
+        if is_view_like(bsym):
+            for o in outs:
+                base[o.name] = base.get(args[0].name, args[0].name) if args else o.name
+            continue
+        for o in outs:
+            made_in[o.name], proxy[o.name] = current, o
+            if matmul:
+                by_matmul.add(o.name)
+        saved = _kept_by(bsym, fused_attention, needs_grad)
+        kept.update(base.get(args[i].name, args[i].name) for i in saved.inputs)
+        kept.update(outs[j].name for j in saved.outputs)
+        t.acts[current] += saved.inside_bytes
+        if matmul:
+            t.matmul_acts[current] += saved.inside_bytes
+        if not matmul:
+            t.moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
+        kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in outputs]
+        t.largest[current] = max([t.largest[current], *(_tensor_bytes((o,)) for o in kept_inside)])
+    for name in kept:
+        if name in made_in:
+            nbytes = _tensor_bytes((proxy[name],))
+            t.acts[made_in[name]] += nbytes
+            if name in by_matmul:
+                t.matmul_acts[made_in[name]] += nbytes
+    for name, piece in made_in.items():
+        if last_read.get(name, piece) > piece and is_float_tensor(proxy[name]):
+            reader = last_read[name]
+            t.escaping[piece][reader] = t.escaping[piece].get(reader, 0) + _tensor_bytes((proxy[name],))
+    return t
 
 
 def summarize(
@@ -177,7 +263,7 @@ def summarize(
     param_of_arg: dict[str, str],
     sharding: ShardingPlan,
     precision: MixedPrecision,
-    optimizer_states: int = 2,
+    optimizer: Optimizer = ADAMW,
     replicas: int = 1,
     fused_attention=lambda bsym: False,
 ) -> StepSummary:
@@ -188,8 +274,7 @@ def summarize(
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
     outputs = _outputs(computation)  # their gradients are the step's output_bytes, not a piece's working set
-    flops, acts, ops, moved, largest = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention,
-                                                     frozenset(t.name for t in outputs))
+    t = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention, frozenset(o.name for o in outputs))
 
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).nbytes(dtype) for p in params)
@@ -202,15 +287,19 @@ def summarize(
             nbytes(params, precision.param_dtype),
             nbytes(params, precision.reduce_dtype),
             sum(sharding.param(p).layout.shard_numel * sharding.param(p).itemsize for p in params),
-            flops[i],
-            acts[i],
-            ops[i],
-            moved[i],
-            largest[i],
+            t.flops[i],
+            t.acts[i],
+            t.ops[i],
+            t.moved[i],
+            t.largest[i],
+            t.matmul_flops[i],
+            t.matmul_ops[i],
+            min(t.matmul_acts[i], t.acts[i]),
+            tuple(sorted(t.escaping[i].items())),
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer_states, _tensor_bytes(outputs), replicas)
+    return StepSummary(pieces, sharding.world_size, optimizer, _tensor_bytes(outputs), replicas)
 
 
 def _outputs(computation) -> list[TensorProxy]:

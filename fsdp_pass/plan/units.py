@@ -20,7 +20,13 @@ class Unit:
     reshard_after_forward: bool  # ZeRO-3 for this unit: gather again in the backward
     first_use: int = -1  # index of the first forward op that reads one of the params
     last_use: int = -1
-    checkpointed: bool = False  # its activations are recomputed in the backward, not saved
+    # its activations recomputed in the backward instead of saved: "none", "selective" (all but its matmuls and
+    # attentions), "full" (plan.checkpointing)
+    checkpoint: str = "none"
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.checkpoint != "none"
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,8 @@ def dry_run(
         executors = chosen
     else:
         lowering = f"the executors given ({', '.join(e.name for e in executors)})"
+    if str(strategy).lower() == "auto" and isinstance(optimizer, str):  # the auto plan prices the same optimizer
+        fsdp_kwargs.setdefault("optimizer", optimizer)
     t0 = time.perf_counter()
     with ExitStack() as stack:
         stack.enter_context(fake_process_group(world_size))
