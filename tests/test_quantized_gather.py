@@ -39,7 +39,8 @@ from tests.dry_runs import model_dry_run
 
 WORLD = 8
 BF16 = torch.bfloat16
-GATHERS = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+# the dry runs gather int8 (float8's trace differs in the codes' dtype alone: its ops run in the parity cases below)
+GATHERS = {"int8": torch.int8}
 
 
 def _precision(gather_dtype=None):
@@ -48,7 +49,7 @@ def _precision(gather_dtype=None):
 
 @pytest.fixture(scope="module")
 def runs():
-    """ZeRO-3 dry runs at world 8: bf16 gathers (test_mixed_precision's, shared), int8 and float8 gathers."""
+    """ZeRO-3 dry runs at world 8: bf16 gathers (test_mixed_precision's, shared), int8 gathers."""
     out = {"bf16": model_dry_run(WORLD, "zero3", mixed_precision=_precision())}
     out.update({k: model_dry_run(WORLD, "zero3", mixed_precision=_precision(d)) for k, d in GATHERS.items()})
     return out
