@@ -2,7 +2,7 @@
 
 Imported as ``fsdp_pass_executors`` (the folder is ``executors/``). The collectives and the ops that pack
 and unpack their buffers run on ``fsdp_comm`` (:mod:`fsdp_pass_executors.collectives`: async work handles,
-a communication stream on CUDA; :mod:`fsdp_pass_executors.buffers`; :mod:`fsdp_pass_executors.accumulation`).
+a communication stream on CUDA; :mod:`fsdp_pass_executors.buffers`; :mod:`fsdp_pass_executors.quantized_buffers`; :mod:`fsdp_pass_executors.accumulation`).
 The compute between them goes to a fusion executor on CUDA: nvFuser when a wheel built for the running
 torch is installed, else Thunder's torch.compile executor; on CPU to the torch executor. ``fsdp_comm``'s
 ops are never fused, so they are the boundaries of the fusion regions. ``executor_choice(device)`` says
@@ -17,6 +17,7 @@ from thunder.extend import get_executor
 
 from fsdp_pass_executors import accumulation as _accumulation  # noqa: F401 - registers the accumulation ops
 from fsdp_pass_executors import buffers as _buffers  # noqa: F401 - registers the pack / unpack ops
+from fsdp_pass_executors import quantized_buffers as _quantized  # noqa: F401 - registers the 8-bit gather's ops
 from fsdp_pass_executors.collectives import WAIT_CLOCK, comm_ex
 
 __all__ = [

@@ -56,6 +56,7 @@ from fsdp_pass.train.throughput import model_flops, peak_flops
 from fsdp_pass.transform import FSDP
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GATHER_DTYPES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}  # MixedPrecision(gather_dtype=...)
 
 
 def arguments(argv=None):
@@ -67,6 +68,9 @@ def arguments(argv=None):
     model.add_argument("--strategy", default="zero3", choices=["zero2", "zero3", "auto"])
     model.add_argument("--param-dtype", default="float32", choices=sorted(DTYPES),
                        help="gather and compute in this dtype; gradients reduced in float32")
+    model.add_argument("--gather-dtype", default=None, choices=sorted(GATHER_DTYPES),
+                       help="gather the parameters quantized to 8 bits (a float32 scale per 128 elements), "
+                       "dequantized to --param-dtype")
     model.add_argument("--checkpoint-activations", action="store_true", help="recompute each unit in the backward")
     data = parser.add_argument_group("data")
     data.add_argument("--data", default=None, help="a text file or a folder of them (default: the stdlib's *.py)")
@@ -170,8 +174,10 @@ def train_step(model, jm, opt, schedule, scaler, windows: torch.Tensor, args, de
 
 
 def _precision(args):
-    dtype = DTYPES[args.param_dtype]
-    return None if dtype == torch.float32 else MixedPrecision(dtype, reduce_dtype=torch.float32)
+    dtype, gather = DTYPES[args.param_dtype], GATHER_DTYPES.get(args.gather_dtype)
+    if dtype == torch.float32 and gather is None:
+        return None
+    return MixedPrecision(None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32, gather_dtype=gather)
 
 
 def train(args, say=print) -> dict[int, float]:
@@ -199,7 +205,8 @@ def run_training(args, say=print) -> LoopRun:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_constant(args.warmup))
     scaler = GradScaler(jm, enabled=DTYPES[args.param_dtype] == torch.float16)
     say(f"model {args.model}: {model.parameters():,} parameters, byte vocabulary; {args.strategy}, "
-        f"{args.param_dtype}{', activation checkpointing' if args.checkpoint_activations else ''}; "
+        f"{args.param_dtype}{f', gathered as {args.gather_dtype}' if args.gather_dtype else ''}"
+        f"{', activation checkpointing' if args.checkpoint_activations else ''}; "
         f"world size {world} ({dist.get_backend()}, {device.type})")
     say(f"data: {corpus.describe()}; {args.global_batch} x {args.seq} bytes per step")
 

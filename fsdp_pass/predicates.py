@@ -21,11 +21,15 @@ from fsdp_pass.op_names import (
     CHECK_FINITE,
     CHECK_SAME_COLLECTIVES,
     CLEAR_FINITE_FLAGS,
+    DEQUANTIZE_GATHERED,
+    DEQUANTIZE_GATHERED_OP,
     EXCHANGE_STEP_DIGEST,
     PACK_GRADS,
     PACK_GRADS_OP,
     PACK_SHARDS,
     PACK_SHARDS_OP,
+    QUANTIZE_SHARD,
+    QUANTIZE_SHARD_OP,
     RAISE_IF_NONFINITE,
     REDUCE_SCATTER_OP,
     TORCH_ALL_GATHER_OP,
@@ -99,7 +103,11 @@ _UNPACK_GATHERED = (UNPACK_GATHERED, UNPACK_GATHERED_OP)
 _PACK_GRADS = (PACK_GRADS, PACK_GRADS_OP)
 _UNPACK_GRAD_SHARD = (UNPACK_GRAD_SHARD, UNPACK_GRAD_SHARD_OP)
 _ACCUMULATION = (ACCUMULATE_UNSHARDED_GRADS, ACCUMULATE_OP, ADD_ACCUMULATED_GRADS, ADD_ACCUMULATED_OP)
-_BUFFER_OPS = frozenset(_PACK_SHARDS + _UNPACK_GATHERED + _PACK_GRADS + _UNPACK_GRAD_SHARD)
+_QUANTIZE_SHARD = (QUANTIZE_SHARD, QUANTIZE_SHARD_OP)  # MixedPrecision(gather_dtype=...): fsdp_pass.ops.quantized_gather
+_DEQUANTIZE_GATHERED = (DEQUANTIZE_GATHERED, DEQUANTIZE_GATHERED_OP)
+_BUFFER_OPS = frozenset(
+    _PACK_SHARDS + _UNPACK_GATHERED + _PACK_GRADS + _UNPACK_GRAD_SHARD + _QUANTIZE_SHARD + _DEQUANTIZE_GATHERED
+)
 _UNIT_OPS = _BUFFER_OPS | frozenset(_ACCUMULATION)
 
 
@@ -109,6 +117,16 @@ def is_pack_shards(bsym) -> bool:
 
 def is_unpack_gathered(bsym) -> bool:
     return _id(bsym) in _UNPACK_GATHERED
+
+
+def is_quantize_shard(bsym) -> bool:
+    """The packed shard quantized into the uint8 buffer of codes and scales its all-gather moves."""
+    return _id(bsym) in _QUANTIZE_SHARD
+
+
+def is_dequantize_gathered(bsym) -> bool:
+    """A quantized gathered buffer turned back into the compute dtype (before ``unpack_gathered``)."""
+    return _id(bsym) in _DEQUANTIZE_GATHERED
 
 
 def is_pack_grads(bsym) -> bool:

@@ -7,6 +7,9 @@ those of :mod:`fsdp_pass.ops.flat_buffers`, which no fusion executor absorbs):
      into this rank's slice of the gathered buffer it allocates whole;
   2. ``all_gather`` of that buffer (async; in place around the packed slice) and its ``wait``;
   3. ``unpack_gathered``: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
+  Quantized (``gather_dtype``): the packed shard is quantized before the all-gather and dequantized after it
+  (:mod:`fsdp_pass.ops.quantized_gather`); the gradient rule below is the same, so the gradients of the
+  dequantized parameters reach the shards unchanged (straight-through).
 
 Backward (registered with :func:`thunder.core.transforms.register_grad`, so Thunder derives it):
   1. ``pack_grads``: each trainable parameter's full gradient, zero-padded and laid out rank-major in one
@@ -39,10 +42,16 @@ from thunder.distributed import prims as dist_prims
 from fsdp_pass.op_names import UNSHARD_UNIT
 from fsdp_pass.ops.flat_buffers import pack_grads, pack_shards, unpack_grad_shard, unpack_gathered
 from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
+from fsdp_pass.ops.quantized_gather import gather_quantized
 
 
-def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None):
-    """Forward steps 1-3: the unit's full parameters from every rank's shards."""
+def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None, gather_dtype=None,
+            gather_block=None):
+    """Forward steps 1-3: the unit's full parameters from every rank's shards (``gather_dtype``: quantized, see
+    :mod:`fsdp_pass.ops.quantized_gather`)."""
+    if gather_dtype is not None:
+        shapes = tuple(tuple(s) for s in full_shapes)
+        return gather_quantized(shards, group, unit_name, shapes, param_dtype, compute_device, gather_dtype, gather_block)
     cast = param_dtype if param_dtype is not None and param_dtype != shards[0].dtype else None
     flat = pack_shards(shards, unit_name, cast, compute_device, group)
     gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
@@ -51,9 +60,9 @@ def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_dev
 
 def unshard_unit_meta(
     shards, group, unit_name: str, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None,
-    grad_sync=None, replicate_group=None,
+    grad_sync=None, replicate_group=None, gather_dtype=None, gather_block=None,
 ):
-    return _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device)
+    return _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device, gather_dtype, gather_block)
 
 
 unshard_unit = Symbol(
@@ -116,9 +125,9 @@ def _reduce_scalar_grad(grad, shape):
 
 def _unshard_unit_grad(
     shards, group, unit_name, full_shapes, param_dtype=None, reduce_dtype=None, compute_device=None,
-    grad_sync=None, replicate_group=None,
+    grad_sync=None, replicate_group=None, gather_dtype=None, gather_block=None,
 ):
-    fulls = _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device)
+    fulls = _gather(shards, group, unit_name, full_shapes, param_dtype, compute_device, gather_dtype, gather_block)
     trainable = [i for i, s in enumerate(shards) if s.requires_grad]
     if not trainable:
         return fulls

@@ -16,7 +16,8 @@ Options carried by each ``unshard_unit`` (see :mod:`fsdp_pass.ops.unshard`): the
 of a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, the compute device when the shards are
 offloaded (the sharded arguments then live on the offload device, while the trace the module's code made
 computes on the compute device), the gradient-sync mode ``(mode, accumulators)`` of
-:mod:`fsdp_pass.ops.grad_accumulation`, and HSDP's replicate group (:mod:`fsdp_pass.shard.mesh`).
+:mod:`fsdp_pass.ops.grad_accumulation`, and HSDP's replicate group (:mod:`fsdp_pass.shard.mesh`); last, only when the
+gather is quantized, its dtype and block (``MixedPrecision.gather_args``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def _unshard_op(new, unit, plan: UnitPlan, shards, group, precision, compute_dev
             compute_device,
             None if mode == REDUCE else grad_sync,
             replicate_group,
+            *precision.gather_args(),
         )
     (bsym,) = new.pop_scope()
     if unit.reshard_after_forward:

@@ -11,7 +11,8 @@ back on the final forward and backward traces, read off the ops themselves (neve
    group it runs on (``reduce-scatter grads over the shard group (64 ranks)``, ``all-reduce grads over the
    replicate group (8 ranks)``);
 2. each pack, unpack and accumulation op: what it does for its unit (the unit's name is the op's second
-   argument): packing the shards (and casting, copying them), cutting the parameters out, packing the
+   argument): packing the shards (and casting, copying them), quantizing them and dequantizing what was
+   gathered (``MixedPrecision(gather_dtype=...)``: dtypes and bytes), cutting the parameters out, packing the
    gradients (casting, dividing first in float16), dividing, casting and copying the reduced shard back.
 """
 
@@ -20,26 +21,31 @@ from __future__ import annotations
 from thunder.core.proxies import Proxy
 from thunder.core.trace import TraceProvenance, from_trace
 
-from fsdp_pass.op_names import ALL_REDUCE, CollectiveKind
+from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, CollectiveKind
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import (
     collective_group,
     is_collective,
+    is_dequantize_gathered,
     is_pack_grads,
     is_pack_shards,
+    is_quantize_shard,
     is_unit_op,
     is_unpack_gathered,
     is_unpack_grad_shard,
     is_wait,
     unit_of_op,
 )
-from fsdp_pass.report.text import collective_label
+from fsdp_pass.plan.quantized_layout import quantized_layout
+from fsdp_pass.report.text import collective_label, human_bytes
 
 
 def _label(plan: UnitPlan, unit, kind: CollectiveKind, bsym, hsdp: bool) -> str:
     """The header of collective ``bsym``: its unit, kind and bytes, read off the op (dtype moved, group size)."""
     _, shard_numel, padding = plan.unit_numel(unit)
-    shard_bytes = shard_numel * bsym.flat_proxy_args[0].dtype.bytes
+    sent = bsym.flat_proxy_args[0]
+    # an all-gather sends its input as it is (a quantized one: codes and scales); the others, gradients of the shard
+    shard_bytes = sent.numel * sent.dtype.bytes if kind is ALL_GATHER else shard_numel * sent.dtype.bytes
     group = None if not hsdp else ("replicate" if kind is ALL_REDUCE else "shard")
     return collective_label(
         unit.name, kind, len(unit.params), shard_bytes, collective_group(bsym).size(), padding, group
@@ -69,6 +75,29 @@ def _unpack_gathered(args, unit, world_size) -> list[str]:
     if len(unit.params) == 1:
         return [f"{unit.params[0]} is a view of the gathered buffer"]
     return [f"cut out {', '.join(unit.params)} (one copy out of the gathered buffer, padding rows dropped)"]
+
+
+def _quantize_shard(args, unit, world_size) -> list[str]:
+    flat, _, shapes, world, qdtype, block = args
+    q = quantized_layout(shapes, world, block)
+    packed = human_bytes(q.rank_numel * flat.dtype.bytes)
+    aligned = " + alignment" if q.rank_bytes > q.rank_numel + q.scale_bytes else ""
+    return [
+        f"quantize the packed shard ({q.rank_numel:,} {_dtype(flat.dtype)} elements, {packed}) to {_dtype(qdtype)} "
+        f"codes with a float32 scale per {block} elements: {human_bytes(q.rank_bytes)}/rank sent ({q.rank_numel:,} B "
+        f"of codes + {q.scale_bytes:,} B of {q.n_blocks:,} scales{aligned}, {q.rank_bytes / q.rank_numel:.3f} B an "
+        "element)"
+    ]
+
+
+def _dequantize_gathered(args, unit, world_size) -> list[str]:
+    gathered, _, shapes, world, qdtype, block, dtype = args
+    q = quantized_layout(shapes, world, block)
+    return [
+        f"dequantize the gathered {_dtype(qdtype)} codes ({world} ranks x {human_bytes(q.rank_bytes)}, scales "
+        f"included) into {_dtype(dtype)}: each code times its block's scale, {world * q.rank_numel:,} elements "
+        f"({human_bytes(world * q.rank_numel * dtype.bytes)})"
+    ]
 
 
 def _ranks_summed(ranks: int, world_size: int) -> str:
@@ -110,6 +139,8 @@ def _unit_op_header(bsym, unit, world_size: int) -> str:
     for matches, describe in (
         (is_pack_shards, _pack_shards),
         (is_unpack_gathered, _unpack_gathered),
+        (is_quantize_shard, _quantize_shard),
+        (is_dequantize_gathered, _dequantize_gathered),
         (is_pack_grads, _pack_grads),
         (is_unpack_grad_shard, _unpack_grad_shard),
     ):

@@ -15,6 +15,18 @@ The semantics are FSDP2's (``MixedPrecisionPolicy``), by construction:
   bfloat16 halves those bytes too, at the cost of summing in bfloat16. float16 works as well; as a sum
   of N float16 gradients can overflow, they are divided by the world size before the reduce-scatter,
   not after.
+- ``gather_dtype`` (default None: gather in ``param_dtype``), ``torch.int8`` or ``torch.float8_e4m3fn``: each
+  unit's packed float32 shard is quantized to one byte per element with a float32 scale per ``gather_block``
+  elements (default 128; why blocks for both dtypes, and the buffer's layout: :mod:`fsdp_pass.plan.quantized_layout`),
+  codes and scales travel in the unit's one all-gather, and the gathered codes are dequantized into
+  ``param_dtype`` (the shards' dtype if None) before the parameters are cut out
+  (:mod:`fsdp_pass.ops.quantized_gather`). The gather moves about 0.52x the bytes of a bfloat16 gather (128:
+  1 byte + 4/128 of scales per element, against 2). Gradients are those of the dequantized parameters, reduced
+  in ``reduce_dtype`` into the float32 master shards as without quantization (straight-through: the
+  optimizer steps the unquantized master weights, only what the forward and backward compute with is rounded).
+  This changes numerics (opt-in): int8 blocks of 128 round each weight to within half a step of
+  ``amax/127`` of its block, float8_e4m3fn to 3 mantissa bits; the README's section on 8-bit gathers has the
+  measured validation loss against a bfloat16 gather.
 - ``output_dtype`` (default: leave the outputs as computed): floating outputs are cast to it at the end of the
   forward (:mod:`fsdp_pass.passes.cast_compute`, the one cast the pass writes into the trace itself).
 
@@ -33,6 +45,7 @@ import torch
 from thunder.core import dtypes
 
 from fsdp_pass.errors import check
+from fsdp_pass.plan.quantized_layout import DEFAULT_BLOCK, QMAX, quantized_nbytes
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,8 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = torch.float32
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    gather_dtype: torch.dtype | None = None
+    gather_block: int = DEFAULT_BLOCK
 
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -50,6 +65,32 @@ class MixedPrecision:
                 f"MixedPrecision({field}={value!r}): expected a floating torch dtype or None.",
                 f"Pass e.g. MixedPrecision({field}=torch.bfloat16), or None to keep the parameters' dtype.",
             )
+        check(
+            self.gather_dtype is None or self.gather_dtype in QMAX,
+            f"MixedPrecision(gather_dtype={self.gather_dtype!r}): a quantized gather takes one of "
+            f"{', '.join(map(str, QMAX))}.",
+            "Pass gather_dtype=torch.int8 or torch.float8_e4m3fn, or None to gather in param_dtype.",
+        )
+        check(
+            isinstance(self.gather_block, int) and self.gather_block >= 1,
+            f"MixedPrecision(gather_block={self.gather_block!r}): expected a positive number of elements per scale.",
+            f"Pass e.g. gather_block={DEFAULT_BLOCK} (one float32 scale per {DEFAULT_BLOCK} elements: 3 % more bytes).",
+        )
+
+    def gather_args(self) -> tuple:
+        """What ``unshard_unit`` takes after its other arguments: (the Thunder dtype of the codes, the block)
+        when the gather is quantized, else nothing (the trace of an unquantized gather is unchanged)."""
+        return () if self.gather_dtype is None else (thunder_dtype(self.gather_dtype), self.gather_block)
+
+    def gathered_nbytes(self, spec) -> int:
+        """The bytes of parameter ``spec`` (a :class:`~fsdp_pass.plan.sharding.ParamSpec`) as its unit's gather
+        moves them: quantized, one byte per element (padding rows too) and the scales; else in ``param_dtype``
+        (a non-floating parameter in its own dtype)."""
+        if not spec.dtype.is_floating_point:
+            return spec.nbytes()
+        if self.gather_dtype is not None:
+            return quantized_nbytes(spec.layout, self.gather_block)
+        return spec.nbytes(self.param_dtype)
 
     def describe(self) -> str:
         def name(d, default):
@@ -58,8 +99,12 @@ class MixedPrecision:
         inputs = ""
         if self.param_dtype is not None:
             inputs = f", floating inputs {'cast to it' if self.cast_forward_inputs else 'as given'}"
+        gather = f"gather+compute {name(self.param_dtype, 'as stored')}"
+        if self.gather_dtype is not None:
+            gather = (f"gather {name(self.gather_dtype, '')} (a float32 scale per {self.gather_block} elements), "
+                      f"compute {name(self.param_dtype, 'as stored')}")
         return (
-            f"gather+compute {name(self.param_dtype, 'as stored')}{inputs}, "
+            f"{gather}{inputs}, "
             f"reduce {name(self.reduce_dtype, 'as computed')}, outputs {name(self.output_dtype, 'as computed')}"
         )
 

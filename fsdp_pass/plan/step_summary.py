@@ -284,7 +284,7 @@ def summarize(
             name,
             tuple(params),
             block,
-            nbytes(params, precision.param_dtype),
+            sum(precision.gathered_nbytes(sharding.param(p)) for p in params),  # quantized: codes and scales
             nbytes(params, precision.reduce_dtype),
             sum(sharding.param(p).layout.shard_numel * sharding.param(p).itemsize for p in params),
             t.flops[i],

@@ -494,7 +494,7 @@ def _options(plan: UnitPlan, precision: MixedPrecision, offload_to) -> tuple[str
 def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision, offload_to) -> Explanation:
     memory = _memory(plan, step, optimizer, precision, offload_to)
     owners = plan.sharding.owners()
-    gather_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype or precision.param_dtype
+    reduce_dtype = precision.reduce_dtype or precision.param_dtype
 
     def nbytes(dtype, specs) -> int:
         return sum(p.nbytes(dtype if p.dtype.is_floating_point else None) for p in specs)
@@ -507,7 +507,7 @@ def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision
         sum(p.nbytes() for p in owners),
         _options(plan, precision, offload_to),
         step is not None and _made_under_no_sync(step),
-        nbytes(gather_dtype, owners),
+        sum(map(precision.gathered_nbytes, owners)),  # quantized (gather_dtype): codes and scales
         nbytes(reduce_dtype, [p for p in owners if p.requires_grad]),
     )
 

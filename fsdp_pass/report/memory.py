@@ -55,6 +55,7 @@ from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
     is_bookkeeping,
+    is_dequantize_gathered,
     is_getitem,
     is_grad_accumulation,
     is_pack_grads,
@@ -235,7 +236,7 @@ class _Buffers:
             self.mark_gradients(b, read)
         views = views_of_inputs(b)
         kind = OTHER
-        if is_unpack_gathered(b):
+        if is_unpack_gathered(b) or is_dequantize_gathered(b):  # dequantized: gathered parameters too
             kind = GATHERED
         elif is_pack_grads(b) or is_grad_accumulation(b):
             kind = GRADIENTS
