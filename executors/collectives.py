@@ -169,13 +169,29 @@ def _alone(group) -> bool:
     return group.size() == 1
 
 
+# What watches the collectives over a group of one rank, which call no backend: None, or
+# ``around(kind, out, inp, group, call)`` returning ``call()``'s result. ``fsdp_pass.report.measure`` sets it while it
+# intercepts the backend's collectives, so what it counts (``CollectiveBytes``, the measured step) holds them too.
+ONE_RANK_OBSERVER = None
+
+
+def _one_rank(kind, group, copy):
+    """The start of a one-rank collective: ``copy``, seen by ``ONE_RANK_OBSERVER`` when one is set."""
+    observer = ONE_RANK_OBSERVER
+    if observer is None:
+        return copy
+    return lambda o, i: observer(kind, o, i, group, lambda: copy(o, i))
+
+
 def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None):
     out = getattr(a, GATHERED_BUFFER, None)
     if out is None or out.numel() != a.numel() * group.size():
         out = _resized(a, group, grow=True)
     else:
         out = out.view((a.shape[0] * group.size(), *a.shape[1:]))
-    start = _copied if _alone(group) else (lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True))
+    start = _one_rank(ALL_GATHER, group, _copied) if _alone(group) else (
+        lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True)
+    )
     flight = _issue(start, out, a, ALL_GATHER)
     return flight if do_async else _wait_impl(flight)
 
@@ -183,7 +199,7 @@ def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None
 def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | None = None):
     out = _resized(a, group, grow=False)
     reduce_op = to_torch_distributed_reduce_op(op)
-    start = _copied if _alone(group) else (
+    start = _one_rank(REDUCE_SCATTER, group, _copied) if _alone(group) else (
         lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True)
     )
     flight = _issue(start, out, a, REDUCE_SCATTER)
@@ -193,7 +209,7 @@ def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | Non
 def _all_reduce_impl(a: torch.Tensor, /, op, group, do_async, skip_clone: bool = False):
     out = a if skip_clone else a.clone()
     reduce_op = to_torch_distributed_reduce_op(op)
-    start = (lambda o, i: _Done()) if _alone(group) else (
+    start = _one_rank(ALL_REDUCE, group, lambda o, i: _Done()) if _alone(group) else (
         lambda o, i: dist.all_reduce(o, reduce_op, group, async_op=True)
     )
     flight = _issue(start, out, out, ALL_REDUCE)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from fsdp_pass_executors import collectives as one_rank_collectives
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
@@ -85,7 +86,15 @@ class _InterceptCollectives:
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = (
             self._wrapped(kind, f) for kind, f in zip((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE), self._saved)
         )
+        # fsdp_comm's collectives over a group of one rank call no backend: they are seen here all the same
+        self._saved_observer = one_rank_collectives.ONE_RANK_OBSERVER
+        one_rank_collectives.ONE_RANK_OBSERVER = self._one_rank
         return self
+
+    def _one_rank(self, kind, out, inp, group, call):
+        if kind is ALL_REDUCE and not out.is_floating_point():
+            return call()
+        return self.around(kind, out, inp, group, call)
 
     def _wrapped(self, kind, collective):
         signature = inspect.signature(collective)
@@ -103,6 +112,7 @@ class _InterceptCollectives:
 
     def __exit__(self, *exc):
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = self._saved
+        one_rank_collectives.ONE_RANK_OBSERVER = self._saved_observer
 
 
 _ISSUED, _WAITED = "fsdp_measure::issued ", "fsdp_measure::waited "
