@@ -96,9 +96,9 @@ def test_every_path_named_exists():
 def _commands(text: str) -> list[str]:
     """Each ``-m <this project's module> args`` in a code block or an inline code span, continuation lines
     joined; commands cut short (``...``, ``[--optional]``) are left out."""
-    spans = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
+    spans = re.findall(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", text, re.M | re.S)  # fences in a list item too
     spans = [line for block in spans for line in block.replace("\\\n", " ").splitlines()]
-    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.M | re.S)
+    prose = re.sub(r"^[ \t]*```[^\n]*\n.*?^[ \t]*```", "", text, flags=re.M | re.S)
     spans += [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", prose)]
     found = []
     for span in spans:
