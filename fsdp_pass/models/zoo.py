@@ -1,7 +1,8 @@
 """Built-in models: a Llama-style decoder LM in named sizes, for dry runs, the benchmark and the notebooks.
 
 ``build(name, device="meta") -> (module, example_args)``: ``name`` names a config in :data:`CONFIGS`
-(``llama2-7b`` is Llama-2-7B's shape: 6.74 B parameters). Built on the meta device nothing is
+(``llama2-7b`` is Llama-2-7B's shape: 6.74 B parameters; ``llama3-8b`` Llama-3-8B's, with grouped-query
+attention, 8.03 B). Built on the meta device nothing is
 allocated, so a 7B model fits a laptop; the dry run traces it as it is. (The dry-run CLI also takes
 Hugging Face configs and factories of your own: :mod:`fsdp_pass.models.spec`.)
 
@@ -36,6 +37,7 @@ class Config:
     n_layer: int = 4
     seq: int = 64
     local_batch: int = 4
+    n_kv_head: int | None = None  # grouped-query attention: heads of k and v (None: n_head, plain attention)
 
 
 class RMSNorm(nn.Module):
@@ -49,22 +51,35 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d: int, n_head: int):
+    """Causal self-attention; with ``n_kv_head`` < ``n_head`` grouped-query attention (Llama 3): k and v have
+    ``n_kv_head`` heads, each repeated for ``n_head // n_kv_head`` query heads before the attention."""
+
+    def __init__(self, d: int, n_head: int, n_kv_head: int | None = None):
         super().__init__()
         self.n_head = n_head
+        self.n_kv_head = n_kv_head or n_head
+        kv = d // n_head * self.n_kv_head
         self.q = nn.Linear(d, d, bias=False)
-        self.k = nn.Linear(d, d, bias=False)
-        self.v = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, kv, bias=False)
+        self.v = nn.Linear(d, kv, bias=False)
         self.o = nn.Linear(d, d, bias=False)
 
     def forward(self, x):
         B, T, C = x.shape
-        h = self.n_head
-        q = self.q(x).view(B, T, h, C // h).transpose(1, 2)
-        k = self.k(x).view(B, T, h, C // h).transpose(1, 2)
-        v = self.v(x).view(B, T, h, C // h).transpose(1, 2)
+        h, g, hd = self.n_head, self.n_kv_head, C // self.n_head
+        q = self.q(x).view(B, T, h, hd).transpose(1, 2)
+        k = _repeat_heads(self.k(x).view(B, T, g, hd).transpose(1, 2), h // g)
+        v = _repeat_heads(self.v(x).view(B, T, g, hd).transpose(1, 2), h // g)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+def _repeat_heads(t, times: int):
+    """(B, g, T, hd) -> (B, g * times, T, hd), each head repeated ``times`` times in place (as Llama 3's repeat_kv)."""
+    if times == 1:
+        return t
+    B, g, T, hd = t.shape
+    return t[:, :, None].expand(B, g, times, T, hd).reshape(B, g * times, T, hd)
 
 
 class SwiGLU(nn.Module):
@@ -79,10 +94,10 @@ class SwiGLU(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, d: int, n_head: int, hidden: int):
+    def __init__(self, d: int, n_head: int, hidden: int, n_kv_head: int | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(d)
-        self.attn = Attention(d, n_head)
+        self.attn = Attention(d, n_head, n_kv_head)
         self.mlp_norm = RMSNorm(d)
         self.mlp = SwiGLU(d, hidden)
 
@@ -96,7 +111,7 @@ class LlamaLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.d)
-        self.layers = nn.ModuleList(DecoderLayer(cfg.d, cfg.n_head, cfg.hidden) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(DecoderLayer(cfg.d, cfg.n_head, cfg.hidden, cfg.n_kv_head) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d)
         self.lm_head = nn.Linear(cfg.d, cfg.vocab, bias=False)
 
@@ -158,6 +173,9 @@ CONFIGS = {
     "bench": Config(),
     "llama2-7b": Config(vocab=32000, d=4096, n_head=32, hidden=11008, n_layer=32, seq=4096, local_batch=1),
     "llama2-13b": Config(vocab=32000, d=5120, n_head=40, hidden=13824, n_layer=40, seq=4096, local_batch=1),
+    # Llama-3-8B's published config (8.03 B parameters; its rotary embedding, theta 500000, adds none and is left out)
+    "llama3-8b": Config(vocab=128256, d=4096, n_head=32, hidden=14336, n_layer=32, seq=8192, local_batch=1,
+                        n_kv_head=8),
 }
 
 
