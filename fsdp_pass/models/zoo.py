@@ -66,10 +66,12 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        h, g, hd = self.n_head, self.n_kv_head, C // self.n_head
-        q = self.q(x).view(B, T, h, hd).transpose(1, 2)
-        k = _repeat_heads(self.k(x).view(B, T, g, hd).transpose(1, 2), h // g)
-        v = _repeat_heads(self.v(x).view(B, T, g, hd).transpose(1, 2), h // g)
+        h, g = self.n_head, self.n_kv_head  # (C // h written out per use: the ops traced as before GQA was added)
+        q = self.q(x).view(B, T, h, C // h).transpose(1, 2)
+        k = self.k(x).view(B, T, g, C // h).transpose(1, 2)
+        v = self.v(x).view(B, T, g, C // h).transpose(1, 2)
+        if g != h:
+            k, v = _repeat_heads(k, h // g), _repeat_heads(v, h // g)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
