@@ -151,10 +151,10 @@ def _train_step(jm, opt, x, y) -> None:
     opt.zero_grad()
 
 
-def _compiled(schedule, strategy, layers, width):
+def _compiled(schedule, strategy, layers, width, units):
     """(FSDP transform, jitted TinyLM, optimizer), the same initial weights for every schedule."""
     torch.manual_seed(0)
-    fsdp = FSDP(strategy, schedule=schedule)
+    fsdp = FSDP(strategy, units=units, schedule=schedule)
     model = TinyLM(d=width, n_layer=layers, hidden=2 * width)
     jm = thunder.jit(model, transforms=[fsdp], executors=executors_for("cpu"))
     return fsdp, jm, torch.optim.SGD(jm.parameters(), lr=1e-2)
@@ -181,6 +181,7 @@ def step_timelines(
     batch_per_rank: int = 1,
     warmup_steps: int = 2,
     recorded_steps: int = 7,
+    units="blocks",
 ) -> dict[str, StepTimeline]:
     """On this rank (every rank of the default group calls it): label -> the recorded step of each schedule.
 
@@ -188,9 +189,10 @@ def step_timelines(
     ``warmup_steps`` (the first compiles), then ``recorded_steps`` are recorded, the schedules taking turns
     so that a disturbance hits them alike; the fastest of each is kept: noise (other processes, the OS)
     only adds time. The defaults (wide layers, one sequence per rank) make a gather take about as long as
-    the compute of a layer on a CPU, so the schedule matters.
+    the compute of a layer on a CPU, so the schedule matters. ``units``: ``FSDP(units=...)`` of every copy (by
+    default one unit per block, so the units are the same whatever plan ``FSDP`` makes without ``units=``).
     """
-    runs = {label: _compiled(schedule, strategy, layers, width) for label, schedule in schedules.items()}
+    runs = {label: _compiled(schedule, strategy, layers, width, units) for label, schedule in schedules.items()}
     for step in range(warmup_steps):
         for _, jm, opt in runs.values():
             _train_step(jm, opt, *_rank_batch(step, batch_per_rank))
