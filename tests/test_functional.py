@@ -102,3 +102,21 @@ def test_the_functional_path_takes_a_2d_mesh_as_fsdp_does():
     assert "all-reduce grads over the replicate group (2 ranks)" in str(backward)
     assert _canonical(forward) == _canonical(thunder.last_traces(jm)[-1])
     assert _canonical(backward) == _canonical(thunder.last_backward_traces(jm)[-1])
+
+
+def test_a_partly_frozen_unit_is_gathered_whole_and_reduces_its_trainable_parameters_only():
+    """Unit fc1+head of the frozen MLP: fc1 frozen, head trainable. Its gathers move all four parameters;
+    its reduce-scatter's label counts the head's two and their bytes, the size of the buffer it reduces."""
+    x, _ = models.batch("frozen", 2, 0)
+    model = models.build("frozen")
+    prologue, trace = functional_trace(model, x)
+    with fake_process_group(4) as group:
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model,
+                                               units=models.NON_ADJACENT_UNITS["frozen"])
+        forward, backward = derive_backward_and_lower(sharded, plan)
+    (scatter,) = [b for b in reduce_scatters(backward) if "fc1+head" in str(b.header)]
+    head = 4 * 16 + 4  # head.weight [4, 16] and head.bias [4]: one row of each per rank at 4 ranks
+    assert scatter.flat_proxy_args[0].numel == head
+    per_rank = head // 4 * 4  # 17 float32 elements a rank
+    assert f"reduce-scatter grads: 2 param(s), {per_rank} B/rank x 4" in scatter.header, scatter.header
+    assert "all-gather: 4 param(s)" in next(b.header for b in gathers(forward) if "fc1+head" in str(b.header))
