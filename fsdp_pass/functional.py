@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 from thunder.core.compile_data import compile_data_and_stats
+from torch.distributed.device_mesh import DeviceMesh
 from thunder.core.transform_common import Transform
 from thunder.core.transforms import dce
 from thunder.executors.passes import del_last_used
@@ -40,7 +41,7 @@ from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.shard.forward_inputs import inputs_of_step
-from fsdp_pass.shard.mesh import RankGroups
+from fsdp_pass.shard.mesh import RankGroups, resolve_groups
 from fsdp_pass.shard.module import ShardedModel
 
 
@@ -112,6 +113,9 @@ def shard_functional_trace(
 ):
     """Stages 1-3 of the pipeline on ``computation``: (the trace with the unit gathers, its UnitPlan).
 
+    ``group``: the process group the parameters are sharded over, or a 2-D ``DeviceMesh`` ``("replicate",
+    "shard")`` for HSDP, as ``FSDP(mesh=...)`` takes it (made under ``fake_process_group(replicas * shard_size)``
+    with ``init_device_mesh("cpu", (replicas, shard_size), mesh_dim_names=("replicate", "shard"))``).
     ``model`` (the module the trace came from) lets the unit policy see the module tree; without it
     every parameter hangs off the root. ``options``: the other options of ``FSDP(...)`` that act before
     autodiff (``mixed_precision``, ``checkpoint_activations``).
@@ -133,8 +137,9 @@ def shard_functional_trace(
         )
         _check_traced_in(computation, parameter_names_of_args(prologue, computation), fsdp.mixed_precision)
         stored = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
-    sharding = sharding_of_trace(prologue, computation, group, fsdp.strategy, stored)
-    sharded = ShardedModel(sharding, RankGroups(group), tree)
+    groups = resolve_groups(mesh=group) if isinstance(group, DeviceMesh) else RankGroups(group)
+    sharding = sharding_of_trace(prologue, computation, groups.shard, fsdp.strategy, stored)
+    sharded = ShardedModel(sharding, groups, tree)
     _, computation, plan, _ = rewrite_forward(prologue, computation, sharded, fsdp)
     return computation, plan
 

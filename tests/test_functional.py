@@ -7,6 +7,8 @@ import thunder
 import torch
 from fsdp_pass_executors import executors_for
 
+from torch.distributed.device_mesh import init_device_mesh
+
 from fsdp_pass import FSDP, fake_process_group
 from fsdp_pass.functional import derive_backward_and_lower, functional_trace, shard_functional_trace
 from tests import models
@@ -83,3 +85,38 @@ def test_the_functional_path_writes_the_traces_the_transform_writes(strategy, op
     assert _canonical(forward) == _canonical(thunder.last_traces(jm)[-1])
     assert _canonical(backward) == _canonical(thunder.last_backward_traces(jm)[-1])
     assert [u.name for u in plan.units] == [u.name for u in jm._lc_transforms[0].unit_plan.units]
+
+
+def test_the_functional_path_takes_a_2d_mesh_as_fsdp_does():
+    """HSDP from one functional trace: a ("replicate", "shard") mesh in place of the group gives the traces
+    FSDP(mesh=...) writes, with each reduce-scatter's shard all-reduced over the replicate group."""
+    x, _ = models.batch("mlp", 2, 0)
+    prologue, trace = functional_trace(models.MLP(), x)
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        sharded, plan = shard_functional_trace(prologue, trace, mesh, "zero3", model=models.MLP())
+        forward, backward = derive_backward_and_lower(sharded, plan)
+        jm = thunder.jit(models.MLP(), transforms=[FSDP("zero3", mesh=mesh)], executors=executors_for("cpu"))
+        jm(x).sum().backward()
+    assert plan.sharding.world_size == 2 and plan.summary.replicas == 2
+    assert "all-reduce grads over the replicate group (2 ranks)" in str(backward)
+    assert _canonical(forward) == _canonical(thunder.last_traces(jm)[-1])
+    assert _canonical(backward) == _canonical(thunder.last_backward_traces(jm)[-1])
+
+
+def test_a_partly_frozen_unit_is_gathered_whole_and_reduces_its_trainable_parameters_only():
+    """Unit fc1+head of the frozen MLP: fc1 frozen, head trainable. Its gathers move all four parameters;
+    its reduce-scatter's label counts the head's two and their bytes, the size of the buffer it reduces."""
+    x, _ = models.batch("frozen", 2, 0)
+    model = models.build("frozen")
+    prologue, trace = functional_trace(model, x)
+    with fake_process_group(4) as group:
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=model,
+                                               units=models.NON_ADJACENT_UNITS["frozen"])
+        forward, backward = derive_backward_and_lower(sharded, plan)
+    (scatter,) = [b for b in reduce_scatters(backward) if "fc1+head" in str(b.header)]
+    head = 4 * 16 + 4  # head.weight [4, 16] and head.bias [4]: one row of each per rank at 4 ranks
+    assert scatter.flat_proxy_args[0].numel == head
+    per_rank = head // 4 * 4  # 17 float32 elements a rank
+    assert f"reduce-scatter grads: 2 param(s), {per_rank} B/rank x 4" in scatter.header, scatter.header
+    assert "all-gather: 4 param(s)" in next(b.header for b in gathers(forward) if "fc1+head" in str(b.header))

@@ -41,15 +41,17 @@ from fsdp_pass.report.text import collective_label, human_bytes
 
 
 def _label(plan: UnitPlan, unit, kind: CollectiveKind, bsym, hsdp: bool) -> str:
-    """The header of collective ``bsym``: its unit, kind and bytes, read off the op (dtype moved, group size)."""
-    _, shard_numel, padding = plan.unit_numel(unit)
+    """The header of collective ``bsym``: its unit, kind and bytes, read off the op (dtype moved, group size).
+    A gather moves every parameter of the unit; a reduction only the gradients of those that require one."""
+    specs = [plan.sharding.param(n) for n in unit.params]
+    if kind is not ALL_GATHER:
+        specs = [s for s in specs if s.requires_grad]
+    shard_numel, padding = sum(s.layout.shard_numel for s in specs), sum(s.layout.padding_numel for s in specs)
     sent = bsym.flat_proxy_args[0]
     # an all-gather sends its input as it is (a quantized one: codes and scales); the others, gradients of the shard
     shard_bytes = sent.numel * sent.dtype.bytes if kind is ALL_GATHER else shard_numel * sent.dtype.bytes
     group = None if not hsdp else ("replicate" if kind is ALL_REDUCE else "shard")
-    return collective_label(
-        unit.name, kind, len(unit.params), shard_bytes, collective_group(bsym).size(), padding, group
-    )
+    return collective_label(unit.name, kind, len(specs), shard_bytes, collective_group(bsym).size(), padding, group)
 
 
 def _dtype(dtype) -> str:

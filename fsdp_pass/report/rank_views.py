@@ -7,6 +7,10 @@ with ``FSDP``, takes its own rows of one global batch, and trains one step of SG
 per element, so the step is exact to compare; Adam's would be two). :func:`full_parameters`
 puts the ranks' shards back together (dim 0, padding rows dropped), and :func:`reference_step` trains one
 process, without FSDP, on the whole global batch, to hold the assembled tensors against.
+
+:func:`adamw_steps` (on every rank) and :func:`reference_adamw_steps` (one process) train several steps with
+AdamW and keep, after each, every parameter's shard and its two AdamW states: the ZeRO notebook holds each
+rank's rows and state, step after step, against the same rows of the whole model's.
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ def global_batch(config: dict, world_size: int, rows_per_rank: int) -> tuple[tor
     return regression_batch(ResidualMLP(**config), rows_per_rank * world_size)
 
 
-def rank_view(config: dict, strategy: str = "zero3", rows_per_rank: int = 4, seed: int = 0) -> RankView:
-    """One training step of ``ResidualMLP(**config)`` under ``FSDP(strategy)`` on this rank, on its rows."""
+def rank_view(config: dict, strategy: str = "zero3", rows_per_rank: int = 4, seed: int = 0, units="blocks") -> RankView:
+    """One training step of ``ResidualMLP(**config)`` under ``FSDP(strategy, units=units)`` on this rank, on its
+    rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    fsdp = FSDP(strategy)
+    fsdp = FSDP(strategy, units=units)
     jm = thunder.jit(_model(config, seed), transforms=[fsdp], executors=executors_for("cpu"))
     inputs, targets = global_batch(config, world, rows_per_rank)
     rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
@@ -92,3 +97,61 @@ def reference_step(config: dict, world_size: int, rows_per_rank: int = 4, seed: 
     grads = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
     opt.step()
     return loss.item(), before, grads, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+@dataclass(frozen=True)
+class RankSteps:
+    rank: int
+    plan: UnitPlan  # the units of its compile, with every parameter's shard layout
+    # one dict per step, parameter -> after that step's opt.step(): this rank's shard, AdamW's exp_avg and
+    # exp_avg_sq of it, and the addresses of the shard's and of exp_avg's storage (the same tensors, step after step)
+    shards: list[dict[str, torch.Tensor]]
+    exp_avg: list[dict[str, torch.Tensor]]
+    exp_avg_sq: list[dict[str, torch.Tensor]]
+    addresses: list[dict[str, tuple[int, int]]]
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _state_after_steps(module, opt, batches, step) -> tuple:
+    """Train ``module`` one step per batch; after each, (params, exp_avg, exp_avg_sq, addresses) by name."""
+    kept = ([], [], [], [])
+    for inputs, targets in batches:
+        step(inputs, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        named = list(module.named_parameters())
+        kept[0].append({n: p.detach().clone() for n, p in named})
+        kept[1].append({n: opt.state[p]["exp_avg"].clone() for n, p in named})
+        kept[2].append({n: opt.state[p]["exp_avg_sq"].clone() for n, p in named})
+        kept[3].append({n: (p.data_ptr(), opt.state[p]["exp_avg"].data_ptr()) for n, p in named})
+    return kept
+
+
+def _global_batches(config: dict, world_size: int, rows_per_rank: int, steps: int):
+    model = ResidualMLP(**config)
+    return [regression_batch(model, rows_per_rank * world_size, seed=1 + s) for s in range(steps)]
+
+
+def adamw_steps(config: dict, steps: int = 2, rows_per_rank: int = 4, seed: int = 0, strategy: str = "zero2",
+                units="blocks") -> RankSteps:
+    """``steps`` AdamW steps of ``ResidualMLP(**config)`` under ``FSDP(strategy, units=units)`` on this rank, each
+    on its rows of a new global batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fsdp = FSDP(strategy, units=units)
+    jm = thunder.jit(_model(config, seed), transforms=[fsdp], executors=executors_for("cpu"))
+    rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
+    batches = [(x[rows], y[rows]) for x, y in _global_batches(config, world, rows_per_rank, steps)]
+    kept = _state_after_steps(jm, _adamw(jm.parameters()), batches, jm)
+    return RankSteps(rank, fsdp.unit_plan, *kept)
+
+
+def reference_adamw_steps(config: dict, world_size: int, steps: int = 2, rows_per_rank: int = 4, seed: int = 0):
+    """One process, no FSDP: :func:`adamw_steps`' steps on the whole global batches. Returns (parameters,
+    exp_avg, exp_avg_sq), each a list of one dict per step."""
+    module = _model(config, seed)
+    kept = _state_after_steps(module, _adamw(module.parameters()), _global_batches(config, world_size, rows_per_rank, steps),
+                              module)
+    return kept[:3]
