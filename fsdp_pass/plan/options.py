@@ -166,7 +166,7 @@ class FSDPOptions:
         auto = None
         if isinstance(strategy, str) and strategy.lower() == "auto":
             chosen = [name for name, value, default in (
-                ("units", units, None), ("reshard_after_forward", reshard_after_forward, None),
+                ("units", None if units == "blocks" else units, None), ("reshard_after_forward", reshard_after_forward, None),
                 ("schedule", schedule, DEFAULT_SCHEDULE), ("checkpoint_activations", checkpoint_activations, False))
                 if value is not default and value != default]
             check(not chosen, f"FSDP('auto') chooses {', '.join(chosen)} itself, and they were passed too.",
