@@ -55,7 +55,7 @@ def global_batch(config: dict, world_size: int, rows_per_rank: int) -> tuple[tor
 def rank_view(config: dict, strategy: str = "zero3", rows_per_rank: int = 4, seed: int = 0) -> RankView:
     """One training step of ``ResidualMLP(**config)`` under ``FSDP(strategy)`` on this rank, on its rows."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    fsdp = FSDP(strategy)
+    fsdp = FSDP(strategy, units="blocks")  # one unit per layer, as the views show them
     jm = thunder.jit(_model(config, seed), transforms=[fsdp], executors=executors_for("cpu"))
     inputs, targets = global_batch(config, world, rows_per_rank)
     rows = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)

@@ -154,7 +154,7 @@ def _train_step(jm, opt, x, y) -> None:
 def _compiled(schedule, strategy, layers, width):
     """(FSDP transform, jitted TinyLM, optimizer), the same initial weights for every schedule."""
     torch.manual_seed(0)
-    fsdp = FSDP(strategy, schedule=schedule)
+    fsdp = FSDP(strategy, units="blocks", schedule=schedule)  # one unit per layer: the schedules differ across units
     model = TinyLM(d=width, n_layer=layers, hidden=2 * width)
     jm = thunder.jit(model, transforms=[fsdp], executors=executors_for("cpu"))
     return fsdp, jm, torch.optim.SGD(jm.parameters(), lr=1e-2)
