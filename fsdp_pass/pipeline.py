@@ -55,7 +55,7 @@ from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.plan.auto_options import options_from_auto_plan, step_summary
-from fsdp_pass.plan.default_units import StepModelUnits, options_with_chosen_units
+from fsdp_pass.plan.default_units import ChosenUnits, StepModelUnits, options_with_chosen_units
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.plan_units import plan_units
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
@@ -90,6 +90,8 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
         options, auto = options_from_auto_plan(summary, model, options)
     elif isinstance(options.unit_policy, StepModelUnits):
         options, choice = options_with_chosen_units(summary, model, options)
+    elif isinstance(options.unit_policy, ChosenUnits):  # a later compile: the first compile's choice, kept
+        choice = options.unit_policy.choice
     plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree)
     plan = replace(plan, auto=auto, summary=summary, units_choice=choice)
     prologue = shard_prologue(prologue, model.sharding, model.placed_on, grad_sync)
