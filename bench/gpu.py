@@ -34,6 +34,9 @@ Systems (``--only`` picks some, comma-separated):
   ours zero3/zero2  thunder.jit with fsdp_pass.FSDP
   ours zero3/zero2 merged  the same with units=BySize(1 MiB): consecutive decoder layers merged into units of
                   up to 1 MiB, so a model of tiny layers issues a few larger collectives, not one per layer
+                  (``ours zero3 merged 512KiB``, ``... 4MiB``: other sizes)
+  ours zero3/zero2 default  ``units=`` left out: the step model chooses the units for the device's default cost
+                  inputs (:mod:`fsdp_pass.plan.default_units`)
   ours auto       FSDP("auto"): units, resharding and prefetch planned from the device's default cost inputs
                   (h100-nvlink on CUDA), within the device's memory
   ours auto probed  the same, planned from a probe of these ranks (fsdp_pass.plan.probe, the matmul in --dtype)

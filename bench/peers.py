@@ -55,6 +55,10 @@ OURS_CONFIGS = [
     ("ours zero2 blocks", "zero2", "blocks", 1, "ours"),
     ("ours zero2 blocks unscheduled", "zero2", "blocks", None, "ours"),
     ("ours zero3 blocks", "zero3", "blocks", 1, "ours"),
+    ("ours zero3 default", "zero3", None, 1, "ours"),  # units= left out: the step model chooses (cpu-gloo)
+    ("ours zero2 default", "zero2", None, 1, "ours"),
+    ("ours zero3 by-size 0.5MB", "zero3", "by_size:500000", 1, "ours"),
+    ("ours zero3 by-size whole", "zero3", "by_size:1000000000", 1, "ours"),  # the whole model one unit
     ("ours zero3 blocks prefetch 2", "zero3", "blocks", 2, "ours"),
     ("ours zero3 blocks unscheduled", "zero3", "blocks", None, "ours"),
     ("ours zero3 blocks thunder order", "zero3", "blocks", None, "thunder"),
@@ -243,7 +247,7 @@ def thunder_fsdp_builder(sharding: str, bucketing: str) -> Callable[[nn.Module],
 
 def ours_builder(
     strategy: str,
-    units: str,
+    units: str | None,
     prefetch: int | None,
     executors: str,
     options: dict | None = None,
@@ -255,14 +259,16 @@ def ours_builder(
     def build(model: nn.Module) -> Trainer:
         import thunder
 
-        policy = BySize(int(units.split(":")[1])) if units.startswith("by_size:") else units
+        policy = BySize(int(units.split(":")[1])) if units and units.startswith("by_size:") else units
         schedule = None if prefetch is None else Schedule(prefetch=prefetch)
         opts = dict(options or {})
         if opts.get("cost") == "probe":  # collective: the same fitted numbers on every rank, so the same plan
             from fsdp_pass.plan.probe import probe
 
             opts["cost"] = probe()
-        transform = FSDP(strategy, units=policy, schedule=schedule, **opts)
+        if policy is not None:  # None: units= left out, the step model chooses them
+            opts["units"] = policy
+        transform = FSDP(strategy, schedule=schedule, **opts)
         jm = thunder.jit(model, transforms=[transform], executors=thunder_executors(executors))
         return Trainer(jm, transform=transform, **(trainer_options or {}))
 

@@ -34,7 +34,8 @@ from fsdp_pass.transform import FSDP
 
 LR = 1e-3
 SYSTEMS = ("eager", "compile", "fsdp2", "fsdp2+compile", "thunder", "ours zero3", "ours zero2", "ours zero3 merged",
-           "ours zero2 merged", "ours auto", "ours auto probed")
+           "ours zero2 merged", "ours zero3 default", "ours zero2 default", "ours zero3 merged 512KiB",
+           "ours zero3 merged 4MiB", "ours auto", "ours auto probed")
 MERGED_UNIT_BYTES = 1 << 20  # the "merged" rows: consecutive blocks merged into units of up to 1 MiB
 
 
@@ -144,7 +145,10 @@ def build_system(name: str, model, device, executors: list, costs, setup: Setup)
         cost = costs.probed() if name.endswith("probed") else None  # None: the device's defaults
         jitted = thunder.jit(model, transforms=[_ours("auto", setup, cost=cost)], executors=executors)
         return OursTrainer(jitted, costs.for_prices())
-    strategy, *merged = name.split()[1:]
-    units = BySize(MERGED_UNIT_BYTES) if merged else "blocks"
-    jitted = thunder.jit(model, transforms=[_ours(strategy, setup, units=units)], executors=executors)
+    strategy, *how = name.split()[1:]
+    sizes = {"512KiB": 1 << 19, "4MiB": 1 << 22}  # the "merged" rows at other unit sizes
+    units = {"merged": BySize(sizes[how[-1]] if how[1:] else MERGED_UNIT_BYTES), "default": None}.get(
+        how[0], "blocks") if how else "blocks"
+    options = {} if units is None else {"units": units}  # None: units= left out, the step model chooses them
+    jitted = thunder.jit(model, transforms=[_ours(strategy, setup, **options)], executors=executors)
     return OursTrainer(jitted, costs.for_prices())

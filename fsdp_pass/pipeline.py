@@ -9,7 +9,9 @@ Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forwa
                checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
                auto planner chooses the units, their resharding and the prefetch depth first
                (:func:`~fsdp_pass.plan.auto_options.options_from_auto_plan`), from the trace's summary
-               that every plan keeps (``plan.summary``, what :mod:`~fsdp_pass.plan.price_plan` prices);
+               that every plan keeps (``plan.summary``, what :mod:`~fsdp_pass.plan.price_plan` prices); with
+               ``units=`` left out, the step model chooses the units from the same summary
+               (:func:`~fsdp_pass.plan.default_units.options_with_chosen_units`);
   2. shard     the prologue expects the shards (:func:`~fsdp_pass.shard.prologue.shard_prologue`); the
                module itself was sharded once, when the transform was applied (:mod:`fsdp_pass.shard.module`);
   3. insert    one ``unshard_unit`` per unit before its first use
@@ -53,6 +55,7 @@ from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.plan.auto_options import options_from_auto_plan, step_summary
+from fsdp_pass.plan.default_units import ChosenUnits, StepModelUnits, options_with_chosen_units
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.plan_units import plan_units
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
@@ -82,11 +85,15 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     check_index_inputs(prologue, computation, argument_names)
     param_of_arg = parameter_names_of_args(prologue, computation)
     summary = step_summary(computation, param_of_arg, model, options, executors)
-    auto = None
+    auto = choice = None
     if options.auto is not None:
         options, auto = options_from_auto_plan(summary, model, options)
+    elif isinstance(options.unit_policy, StepModelUnits):
+        options, choice = options_with_chosen_units(summary, model, options)
+    elif isinstance(options.unit_policy, ChosenUnits):  # a later compile: the first compile's choice, kept
+        choice = options.unit_policy.choice
     plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree)
-    plan = replace(plan, auto=auto, summary=summary)
+    plan = replace(plan, auto=auto, summary=summary, units_choice=choice)
     prologue = shard_prologue(prologue, model.sharding, model.placed_on, grad_sync)
     offloaded = options.offload_to is not None
     computation = insert_unshards(

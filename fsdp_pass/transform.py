@@ -32,6 +32,7 @@ from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.auto_options import agreed_settings
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
+from fsdp_pass.plan.default_units import StepModelUnits
 from fsdp_pass.plan.price_plan import price_plan
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import Strategy
@@ -62,7 +63,7 @@ class FSDP(Transform):
             with a reason per decision.
         memory_budget: with ``"auto"``: bytes per rank the step may peak at (``"20GiB"``, ``"512MiB"``, or an
             int); default: the CUDA device's memory, no bound on the CPU.
-        cost: with ``"auto"``: what collectives and compute cost (:mod:`fsdp_pass.plan.cost_model`): a name in
+        cost: with ``"auto"``, or ``units=`` left out: what collectives and compute cost (:mod:`fsdp_pass.plan.cost_model`): a name in
             ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.plan.probe.probe(...)``'s
             result measured on your ranks; default: the defaults of the device the step computes on.
         optimizer: with ``"auto"``: what steps the shards, for its state's bytes and its time
@@ -78,7 +79,10 @@ class FSDP(Transform):
             each rank's own (then ranks must have initialized identically, e.g. the same seed).
         units: the unit policy (see :mod:`fsdp_pass.plan.unit_policies`): ``"blocks"`` (one unit per
             repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
-            list of modules / classes / names (explicit units), or ``BySize(max_bytes)``.
+            list of modules / classes / names (explicit units), or ``BySize(max_bytes)``. Left out, the step
+            model chooses them at the first compile (:mod:`fsdp_pass.plan.default_units`): the units with the
+            fastest predicted step for the other options as given, within the device's memory, starting from
+            ``"blocks"``'s; ``explain()`` prints the choice and why.
         reshard_after_forward: None (ZeRO-3: every unit but the last one gathered; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.
         schedule: when collectives are issued and waited (:class:`~fsdp_pass.plan.schedule.Schedule`):
@@ -118,7 +122,7 @@ class FSDP(Transform):
         mesh=None,
         device=None,
         broadcast_from: int | None = None,
-        units="blocks",
+        units=None,
         reshard_after_forward=None,
         schedule: Schedule | int | None = DEFAULT_SCHEDULE,
         checkpoint_activations=False,
@@ -209,6 +213,9 @@ class FSDP(Transform):
         if self.options.auto is not None:  # every rank plans from rank 0's cost inputs and budget
             settings = agreed_settings(self.options.auto, self.model.device, groups.everyone)
             self.options = replace(self.options, auto=settings)
+        elif isinstance(self.options.unit_policy, StepModelUnits):  # the same cost inputs and budget on every rank
+            policy = self.options.unit_policy.settled(self.model.device, groups.everyone)
+            self.options = replace(self.options, unit_policy=policy)
         model._fsdp_pass_plan = self.model.sharding
         remember_shards(model, self.model, released=self.release_original_parameters)
         install_state_dict_methods(model, self)
@@ -221,6 +228,8 @@ class FSDP(Transform):
             self.argument_names,
         )
         self.compiled_step = CompiledStep(plan, options)
+        if isinstance(self.options.unit_policy, StepModelUnits):  # later compiles keep the units chosen now
+            self.options = replace(self.options, unit_policy=options.unit_policy)
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):

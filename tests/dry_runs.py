@@ -13,7 +13,12 @@ from tests import explain_cases
 
 
 def model_dry_run(world_size: int, strategy: str, **fsdp_kwargs) -> DryRun:
-    """``dry_run`` of ``explain_cases.build_model("meta")``; options must be hashable (dtypes, strings, ...)."""
+    """``dry_run`` of ``explain_cases.build_model("meta")``; options must be hashable (dtypes, strings, ...).
+    One unit per block unless ``units`` is given (the tests read per-block units; ``units=None``: the step
+    model's default choice)."""
+    if strategy != "auto":
+        fsdp_kwargs.setdefault("units", "blocks")
+    fsdp_kwargs = {k: v for k, v in fsdp_kwargs.items() if not (k == "units" and v is None)}
     return _cached(world_size, strategy, tuple(sorted(fsdp_kwargs.items())))
 
 

@@ -29,7 +29,7 @@ def build_model(device="cpu"):
 def measured_step(strategy: str, measured_steps: int = 3):
     """Train a few steps with AdamW; measure the collectives and the allocations of the last ones."""
     module, args = build_model()
-    jm = thunder.jit(module, transforms=[FSDP(strategy)], executors=executors_for("cpu"))
+    jm = thunder.jit(module, transforms=[FSDP(strategy, units="blocks")], executors=executors_for("cpu"))
     opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
 
     def step():

@@ -33,8 +33,8 @@ def nan_located(poisoned_rank: int = 1) -> dict:
     of the same model jitted without the checks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    plain = thunder.jit(models.build("mlp"), transforms=[FSDP("zero3")], executors=executors_for("cpu"))
-    jm = thunder.jit(models.build("mlp"), transforms=[FSDP("zero3", check_finite=True)], executors=executors_for("cpu"))
+    plain = thunder.jit(models.build("mlp"), transforms=[FSDP("zero3", units="blocks")], executors=executors_for("cpu"))
+    jm = thunder.jit(models.build("mlp"), transforms=[FSDP("zero3", units="blocks", check_finite=True)], executors=executors_for("cpu"))
     x, y = models.batch("mlp", 2 * world, 0)
     x, y = x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]
     mine = rank == poisoned_rank

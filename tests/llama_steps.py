@@ -46,6 +46,9 @@ class KeepTraces(Transform):
 
 
 def compile_step(strategy="zero3", model=None, executors=None, keep: KeepTraces | None = None, **fsdp_kwargs):
+    if strategy != "auto":  # the tests read one unit per block; units=None: the step model's default choice
+        fsdp_kwargs.setdefault("units", "blocks")
+    fsdp_kwargs = {k: v for k, v in fsdp_kwargs.items() if not (k == "units" and v is None)}
     with fake_process_group(WORLD):
         fsdp = FSDP(strategy, **fsdp_kwargs)
         transforms = [fsdp] if keep is None else [keep, fsdp]

@@ -229,6 +229,8 @@ def parity(
         "shard_numel": sum(p.numel() for p in jm.parameters()),
         "full_shapes": [tuple(p.shape) for p in reference.parameters()],  # tied parameters once
         "unit_names": [u.name for u in fsdp.unit_plan.units],
+        # units= left out: what the step model chose (None: units were given)
+        "units_choice": None if fsdp.unit_plan.units_choice is None else str(fsdp.unit_plan.units_choice),
         "reshard": [u.reshard_after_forward for u in fsdp.unit_plan.units],
         # where each collective is issued and waited for in this rank's final traces
         "schedule": [(r.phase, r.kind, r.unit, r.issued_at, r.waited_at) for r in fsdp.overlap_report().rows],

@@ -35,7 +35,7 @@ UNITS = ["fc1", "fc2", "head"]  # the MLP's, in forward order
 def mlp_dry_run(check_finite: bool):
     with torch.device("meta"):
         model = models.MODELS["mlp"]()
-    return dry_run(model, (models.batch("mlp", 4, 0)[0],), 2, "zero3", check_finite=check_finite)
+    return dry_run(model, (models.batch("mlp", 4, 0)[0],), 2, "zero3", units="blocks", check_finite=check_finite)
 
 
 def _ops(trace, keep=lambda b: True) -> list:

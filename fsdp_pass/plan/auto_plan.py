@@ -95,7 +95,7 @@ def unit_names(summary: StepSummary, starts: tuple[int, ...]) -> list[str]:
     return names
 
 
-def _block_starts(summary: StepSummary) -> tuple[int, ...]:
+def block_starts(summary: StepSummary) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(summary.pieces) if i == 0 or p.block != summary.pieces[i - 1].block)
 
 
@@ -250,7 +250,7 @@ class _Planner:
     def units_for(self, prefetch: int, offload: bool) -> tuple[_Tried, list[str]]:
         """Greedy moves from one unit per block, as long as one shortens the predicted step (or, while
         nothing fits, lowers the peak)."""
-        start = now = self.tried(_block_starts(self.summary), prefetch, offload)
+        start = now = self.tried(block_starts(self.summary), prefetch, offload)
         reasons: list[str] = []
         for _ in range(4 * len(self.summary.pieces)):
             best = None
@@ -477,7 +477,7 @@ def _no_plan_fits(summary: StepSummary, cost: CostInputs, budget: int, offload: 
 
 
 def _compared(summary: StepSummary, cost: CostInputs, offload: bool) -> tuple[tuple[str, Prediction], ...]:
-    starts = _block_starts(summary)
+    starts = block_starts(summary)
     k = len(starts)
     zero3 = Candidate(starts, (True,) * (k - 1) + (False,), 1, offload)
     zero2 = Candidate(starts, (False,) * k, 1, offload)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from fsdp_pass.errors import check
-from fsdp_pass.plan.checkpointing import LEVELS, checkpoint_level
+from fsdp_pass.plan.checkpointing import FULL, LEVELS, NONE, checkpoint_level
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.default_units import StepModelUnits
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer, resolve_optimizer
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
@@ -36,6 +37,16 @@ class _Every:
 
     def __call__(self, unit: Unit) -> str:
         return self.level
+
+
+def constant_checkpoint_level(predicate) -> str | None:
+    """The level ``checkpoint_activations`` gives every unit (``"none"`` included), None for a user's function of
+    the unit (what the default units' step model cannot price: :mod:`fsdp_pass.plan.default_units`)."""
+    if predicate is _never:
+        return NONE
+    if predicate is _always:
+        return FULL
+    return predicate.level if isinstance(predicate, _Every) else None
 
 
 def checkpoint_predicate(spec) -> Callable[[Unit], bool | str]:
@@ -138,7 +149,7 @@ class FSDPOptions:
         cls,
         strategy: Strategy | str = Strategy.ZERO2,
         *,
-        units="blocks",
+        units=None,
         reshard_after_forward=None,
         schedule=DEFAULT_SCHEDULE,
         checkpoint_activations=False,
@@ -155,7 +166,7 @@ class FSDPOptions:
         auto = None
         if isinstance(strategy, str) and strategy.lower() == "auto":
             chosen = [name for name, value, default in (
-                ("units", units, "blocks"), ("reshard_after_forward", reshard_after_forward, None),
+                ("units", None if units == "blocks" else units, None), ("reshard_after_forward", reshard_after_forward, None),
                 ("schedule", schedule, DEFAULT_SCHEDULE), ("checkpoint_activations", checkpoint_activations, False))
                 if value is not default and value != default]
             check(not chosen, f"FSDP('auto') chooses {', '.join(chosen)} itself, and they were passed too.",
@@ -164,12 +175,15 @@ class FSDPOptions:
             strategy, auto = "zero3", AutoSettings(parse_bytes(memory_budget), resolve_cost(cost),
                                                    resolve_optimizer(optimizer))
         else:
-            check(memory_budget is None and cost is None and optimizer is None,
-                  "memory_budget=, cost= and optimizer= are read by the auto planner only.",
-                  "Pass FSDP('auto', memory_budget='20GiB', optimizer='sgd'), or leave them out.")
+            check(memory_budget is None and optimizer is None and (cost is None or units is None),
+                  "memory_budget= and optimizer= are read by the auto planner only, cost= by it and by the step "
+                  "model that chooses the units when units= is left out.",
+                  "Pass FSDP('auto', memory_budget='20GiB', optimizer='sgd'), or leave them out (or units=).")
+        policy = StepModelUnits(resolve_cost(cost)) if units is None and auto is None else resolve_policy(
+            "blocks" if units is None else units)
         return cls(
             parse_strategy(strategy, also=("auto",)),
-            resolve_policy(units),
+            policy,
             reshard_after_forward,
             resolve_schedule(schedule),
             checkpoint_predicate(checkpoint_activations),

@@ -40,6 +40,8 @@ class UnitPlan:
     # the forward trace's arguments in order: (argument name, the parameter it is, or None)
     arguments: tuple[tuple[str | None, str | None], ...] = ()
     auto: object | None = None  # FSDP("auto"): the AutoPlan these units come from, with its reasons
+    # units= left out: the step model's choice of units, with its reasons (a plan.default_units.UnitsChoice)
+    units_choice: object | None = None
     # the step model's view of the trace (a plan.step_summary.StepSummary): what plan.price_plan prices any plan from
     summary: object | None = None
 

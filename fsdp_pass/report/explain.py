@@ -176,8 +176,9 @@ class Explanation:
     def _auto_lines(self) -> list[str]:
         """Under ``FSDP("auto")``: the plan with its reasons, and the traced peak held against the budget."""
         auto = self.plan.auto
-        if auto is None:
-            return []
+        if auto is None:  # units= left out: the step model's choice of units, and why
+            choice = self.plan.units_choice
+            return [] if choice is None else ["", str(choice)]
         lines = ["", str(auto)]
         traced = self.memory.peak
         if traced is not None:

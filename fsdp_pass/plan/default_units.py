@@ -1,0 +1,223 @@
+"""The default units: ``FSDP("zero3")`` without ``units=`` lets the step model choose them.
+
+``units="blocks"`` gives one unit per repeated block; that can be the slow plan (24 layers of d 64 on two gloo
+ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md). Left out, ``units=`` is
+:class:`StepModelUnits`, and the compile turns it into :class:`ChosenUnits`:
+
+1. When the model is sharded (:meth:`StepModelUnits.settled`): the cost inputs are the user's ``cost=``, else the
+   defaults of the device the parameters are on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), the budget
+   the CUDA device's memory (no bound on the CPU); with peers, every rank takes rank 0's, so every rank plans
+   from the same numbers (a probe or a device's memory could differ between ranks by a little).
+2. At the first compile (:func:`choose_units`), from the step summary every compile makes anyway (no trace
+   more): only the units are chosen. Strategy, ``reshard_after_forward``, the schedule's prefetch depth,
+   checkpointing and offload stay what the user asked, and the step model prices each set of units with them.
+   From one unit per block, greedily, each step takes the merge of two neighbouring units or the split of a
+   unit at one of its pieces that shortens the predicted step most (fitting the budget first), until none
+   does; moves that together shorten it by less than 2 % are given up for one unit per block (the auto
+   planner's rule: the model cannot promise so little, :mod:`fsdp_pass.plan.auto_plan`).
+3. Plans the step model cannot price keep one unit per block, with the reason: a schedule that is not a
+   prefetch depth (``schedule=None``, ``max_unused_bytes``, ``prefetch_by_unit``), a
+   ``reshard_after_forward`` or ``checkpoint_activations`` that is a function of the unit (it reads names the
+   merged units would not have).
+4. The choice is a pure function of the summary, the options and the settled cost inputs and budget: the same
+   on every rank that traced the same step. The transform keeps the first compile's units for later compiles
+   of the model (another input shape, ``no_sync``), so they do not plan again.
+
+``explain()`` prints the choice and why (:class:`UnitsChoice`): the units, the predicted step against one unit
+per block's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch.distributed as dist
+
+from fsdp_pass.plan.auto_plan import block_starts, unit_names
+from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.sharding import Strategy
+from fsdp_pass.plan.step_model import Candidate, Prediction, ms, predict
+from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
+from fsdp_pass.report.text import human_bytes
+from fsdp_pass.shard.groups import has_peers
+
+_BETTER = 1e-3  # a move must shorten the predicted step by this fraction to be taken (auto_plan's)
+_WORTH = 0.02  # all the moves together must shorten it by this fraction to leave one unit per block (auto_plan's)
+
+
+class StepModelUnits:
+    """``units=`` left out: the step model chooses the units at the first compile (module docstring). Without a
+    step summary (the functional path), one unit per block."""
+
+    name = "step_model"
+
+    def __init__(self, cost: CostInputs | None = None, budget: int | None = None, settled: bool = False):
+        self.cost, self.budget, self.is_settled = cost, budget, settled
+
+    def groups(self, inp: PolicyInput) -> list:
+        return Blocks().groups(inp)
+
+    def settled(self, device, group) -> StepModelUnits:
+        """The cost inputs and budget filled in from ``device`` (the user's ``cost=`` first), rank 0's on every
+        rank of ``group`` (collective, when the group has peers)."""
+        from fsdp_pass.plan.auto_options import device_defaults  # auto_options imports options, which imports us
+
+        default_cost, budget = device_defaults(device)
+        chosen = (self.cost or default_cost, budget)
+        if has_peers(group):
+            box = [chosen]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            chosen = box[0]
+        return StepModelUnits(*chosen, settled=True)
+
+
+class ChosenUnits:
+    """The units the step model chose (:class:`UnitsChoice`), as a unit policy."""
+
+    name = "step_model"
+
+    def __init__(self, choice: UnitsChoice):
+        self.choice = choice
+
+    def groups(self, inp: PolicyInput) -> list:
+        used = [(n, tuple(p for p in ps if p in inp.first_use)) for n, ps in self.choice.groups]
+        return [(n, ps) for n, ps in used if ps]
+
+
+@dataclass(frozen=True)
+class UnitsChoice:
+    """What the step model chose for ``units=`` left out, and why."""
+
+    names: tuple[str, ...]
+    groups: tuple[tuple[str, tuple[str, ...]], ...]  # (unit name, parameter names) per unit, forward order
+    cost: CostInputs
+    budget: int | None
+    reasons: tuple[str, ...]
+    prediction: Prediction | None = None  # None: not priced, one unit per block
+    blocks: Prediction | None = None  # one unit per block, priced the same way
+
+    @property
+    def kept_blocks(self) -> bool:
+        return self.prediction is None or self.prediction == self.blocks
+
+    def __str__(self) -> str:
+        named = next((k for k, v in DEFAULTS.items() if v == self.cost), f"cost inputs from {self.cost.source}")
+        head = (f"units: chosen by the step model for {named} (units='blocks' gives one per block): "
+                f"{len(self.names)} unit(s)")
+        if self.prediction is None:
+            head = "units: one per block (units='blocks'), the step model could not choose"
+        lines = [head]
+        if self.prediction is not None:
+            budget = "no budget" if self.budget is None else f"budget {human_bytes(self.budget)} (the device's memory)"
+            lines.append(f"  {', '.join(self.names)}")
+            lines.append(f"  predicted step {ms(self.prediction.step_s)} vs blocks {ms(self.blocks.step_s)}, peak "
+                         f"{human_bytes(self.prediction.peak_bytes)} vs {human_bytes(self.blocks.peak_bytes)}; {budget}")
+            lines.append(f"  cost inputs: {self.cost}")
+        lines.extend(f"  {r}" for r in self.reasons)
+        return "\n".join(lines)
+
+
+def _fits(pred: Prediction, budget: int | None) -> bool:
+    return budget is None or pred.peak_bytes <= budget
+
+
+def _rank(pred: Prediction, budget: int | None) -> tuple:
+    return (0, pred.step_s) if _fits(pred, budget) else (1, pred.peak_bytes)
+
+
+def _why_not_priced(options) -> str | None:
+    """Why the step model cannot price the user's options with other units (None: it can)."""
+    from fsdp_pass.plan.options import constant_checkpoint_level
+
+    s = options.schedule
+    if s is None or s.max_unused_bytes is not None or not s.kept_units_first:
+        return f"the schedule ({s!r}) is not one the step model follows: a prefetch depth, kept units first"
+    if s.prefetch_by_unit:
+        return "schedule names units (prefetch_by_unit): merged units would not have those names"
+    if not (options.reshard_after_forward is None or isinstance(options.reshard_after_forward, bool)):
+        return "reshard_after_forward is a function of the unit: merged units would not have the names it reads"
+    if constant_checkpoint_level(options.checkpoint_activations) is None:
+        return "checkpoint_activations is a function of the unit: merged units would not have the names it reads"
+    return None
+
+
+def _candidate(starts: tuple[int, ...], options) -> Candidate:
+    """``starts`` with the user's resharding, prefetch depth, checkpointing and offload (as plan_units applies
+    them: ZeRO-3 reshards every unit but the last the forward gathers, ZeRO-2 none)."""
+    from fsdp_pass.plan.options import constant_checkpoint_level
+
+    k, override = len(starts), options.reshard_after_forward
+    if override is None:
+        zero3 = options.strategy is Strategy.ZERO3
+        reshard = tuple(zero3 and i < k - 1 for i in range(k))
+    else:
+        reshard = (override,) * k
+    level = constant_checkpoint_level(options.checkpoint_activations)
+    return Candidate(starts, reshard, options.schedule.prefetch, options.offload_to is not None, (),
+                     (level,) * k if level != "none" else ())
+
+
+def _moves(summary: StepSummary, starts: tuple[int, ...]):
+    """(description, new starts) of every merge of two neighbours and every split of a unit at a piece."""
+    n = len(summary.pieces)
+    names = unit_names(summary, starts)
+    for u in range(1, len(starts)):
+        yield f"{names[u - 1]} and {names[u]} merged", starts[:u] + starts[u + 1:]
+    for u, (a, b) in enumerate(zip(starts, (*starts[1:], n))):
+        for cut in range(a + 1, b):
+            yield f"{names[u]} split before {summary.pieces[cut].name}", tuple(sorted((*starts, cut)))
+
+
+def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None) -> UnitsChoice:
+    """The units with the fastest predicted step (fitting ``budget`` first) for the user's other ``options``
+    (module docstring, items 2-3)."""
+    blocked = _why_not_priced(options) if summary.pieces else "the step reads no parameters"
+    if blocked:
+        return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",))
+    start = block_starts(summary)
+    now, now_pred = start, predict(summary, _candidate(start, options), cost)
+    blocks_pred, taken = now_pred, []
+    for _ in range(4 * len(summary.pieces)):
+        best = None
+        for what, starts in _moves(summary, now):
+            pred = predict(summary, _candidate(starts, options), cost)
+            if best is None or _rank(pred, budget) < _rank(best[2], budget):
+                best = (what, starts, pred)
+        if best is None or not _better(best[2], now_pred, budget):
+            break
+        taken.append(f"{best[0]}: predicted step {ms(now_pred.step_s)} -> {ms(best[2].step_s)}")
+        now, now_pred = best[1], best[2]
+    worth = now_pred.step_s <= blocks_pred.step_s * (1 - _WORTH) or not _fits(blocks_pred, budget)
+    if taken and not worth:
+        reasons = (f"kept one unit per block: the best merges and splits found ({len(taken)}) predict "
+                   f"{ms(blocks_pred.step_s)} -> {ms(now_pred.step_s)}, less than {_WORTH:.0%} faster: within the "
+                   "model's error",)
+        now, now_pred = start, blocks_pred
+    elif not taken:
+        reasons = ("kept one unit per block: no merge or split shortens the predicted step",)
+    else:
+        reasons = ("why, move by move (from one unit per block; each the move that shortened the predicted step "
+                   "most):", *(f"  {t}" for t in taken))
+    names = tuple(unit_names(summary, now))
+    spans = Candidate(now, ()).spans(len(summary.pieces))
+    groups = tuple((nm, tuple(p for i in s for p in summary.pieces[i].params)) for nm, s in zip(names, spans))
+    return UnitsChoice(names, groups, cost, budget, reasons, now_pred, blocks_pred)
+
+
+def _better(new: Prediction, old: Prediction, budget: int | None) -> bool:
+    if _fits(new, budget) != _fits(old, budget):
+        return _fits(new, budget)
+    if not _fits(new, budget):
+        return new.peak_bytes < old.peak_bytes
+    return new.step_s < old.step_s * (1 - _BETTER)
+
+
+def options_with_chosen_units(summary: StepSummary, model, options):
+    """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``."""
+    policy = options.unit_policy
+    if not policy.is_settled:  # not sharded by the transform (the functional path): this rank's device alone
+        policy = policy.settled(getattr(model, "device", None), None)
+    choice = choose_units(summary, options, policy.cost, policy.budget)
+    chosen = Blocks() if choice.prediction is None else ChosenUnits(choice)
+    return replace(options, unit_policy=chosen), choice

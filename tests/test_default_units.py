@@ -1,0 +1,101 @@
+"""``units=`` left out: the step model chooses the units (fsdp_pass/plan/default_units.py, issue 40 item 1).
+
+One dry run with the default units (test_explain's model at 2 ranks) and the shared one with ``units="blocks"``
+(test_explain's); everything else prices candidates on the dry run's step summary, without compiling. The gloo
+parity of the default units: tests/test_parity.py::test_parity_default_units.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from fsdp_pass import FSDP, FSDPError
+from fsdp_pass.plan.auto_plan import block_starts
+from fsdp_pass.plan.cost_model import DEFAULTS
+from fsdp_pass.plan.default_units import StepModelUnits, choose_units
+from fsdp_pass.plan.step_model import Candidate, predict
+from fsdp_pass.plan.unit_policies import Blocks
+from tests.dry_runs import model_dry_run
+
+CPU = DEFAULTS["cpu-gloo"]
+
+
+@pytest.fixture(scope="module")
+def default():
+    return model_dry_run(2, "zero3", units=None)
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    return model_dry_run(2, "zero3")  # units="blocks" (tests/dry_runs.py), test_explain's
+
+
+def _zero3(starts):
+    k = len(starts)
+    return Candidate(tuple(starts), tuple(i < k - 1 for i in range(k)), 1)
+
+
+def _neighbours(starts, n):
+    """Every merge of two neighbouring units and every split of a unit at one of its pieces."""
+    for u in range(1, len(starts)):
+        yield starts[:u] + starts[u + 1:]
+    for cut in range(1, n):
+        if cut not in starts:
+            yield tuple(sorted((*starts, cut)))
+
+
+def test_the_default_units_are_the_step_models_fastest(default, blocks):
+    plan = default.fsdp.compiled_step.plan
+    summary, choice = plan.summary, plan.units_choice
+    assert plan.policy == "step_model" and choice.cost == CPU and choice.budget is None  # the CPU: no bound
+    starts = tuple(sorted({min(i for i, p in enumerate(summary.pieces) if set(p.params) & set(u.params))
+                           for u in plan.units}))
+    chosen = predict(summary, _zero3(starts), CPU)
+    # the compiled plan is the one priced, and it is faster than one unit per block (by the 2 % it must be)
+    assert default.predict_step("cpu-gloo").step_s == pytest.approx(chosen.step_s)
+    per_block = predict(summary, _zero3(block_starts(summary)), CPU).step_s
+    assert blocks.predict_step("cpu-gloo").step_s == pytest.approx(per_block)
+    assert chosen.step_s <= per_block * 0.98 and len(plan.units) < len(blocks.explanation.plan.units)
+    # no single merge or split of the chosen units is predicted faster (the greedy search's end)
+    n = len(summary.pieces)
+    assert all(predict(summary, _zero3(s), CPU).step_s >= chosen.step_s * (1 - 1e-3) for s in _neighbours(starts, n))
+
+
+def test_explain_prints_the_chosen_units_and_why(default, blocks):
+    text = str(default.explanation)
+    choice = default.fsdp.compiled_step.plan.units_choice
+    assert "units: chosen by the step model for cpu-gloo (units='blocks' gives one per block)" in text
+    assert f"predicted step {choice.prediction.step_s * 1e3:.3g} ms vs blocks {choice.blocks.step_s * 1e3:.3g} ms" in text
+    assert "merged: predicted step" in text and ", ".join(u.name for u in default.explanation.units) in text
+    assert "units: chosen" not in str(blocks.explanation)
+
+
+def test_units_blocks_is_todays_plan(blocks):
+    plan = blocks.fsdp.compiled_step.plan
+    assert plan.policy == "blocks" and plan.units_choice is None
+    # one unit per block (test_explain's model: 2 layers), the embedding before them, the norm and head after
+    names = [u.name for u in plan.units]
+    assert names[1:3] == ["model.layers.0", "model.layers.1"] and len(names) == 4, names
+    assert "embed" in names[0] and "lm_head" in names[3], names
+    assert isinstance(FSDP("zero3", units="blocks").options.unit_policy, Blocks)
+    assert isinstance(FSDP("zero3").options.unit_policy, StepModelUnits)
+
+
+def test_the_choice_fits_the_budget_and_keeps_blocks_where_it_cannot_price(default):
+    plan = default.fsdp.compiled_step.plan
+    summary, options = plan.summary, default.fsdp.compiled_step.options
+    free = choose_units(summary, options, CPU, None)
+    assert free.groups == plan.units_choice.groups  # a pure function of the summary, options and cost inputs
+    budget = free.blocks.peak_bytes  # one unit per block fits it, the unbounded choice does not
+    assert free.prediction.peak_bytes > budget
+    bound = choose_units(summary, options, CPU, budget)
+    assert bound.prediction.peak_bytes <= budget and bound.prediction.step_s <= bound.blocks.step_s
+    for unpriced in (replace(options, schedule=None), replace(options, reshard_after_forward=lambda u: True)):
+        kept = choose_units(summary, unpriced, CPU, None)
+        assert kept.prediction is None and kept.reasons[0].startswith("kept: ")
+
+
+def test_cost_is_the_users_and_only_with_units_left_out():
+    assert FSDP("zero3", cost="h100-nvlink").options.unit_policy.cost == DEFAULTS["h100-nvlink"]
+    with pytest.raises(FSDPError, match="read by the auto planner only"):
+        FSDP("zero3", units="blocks", cost="h100-nvlink")
