@@ -139,9 +139,10 @@ def test_the_default_device_follows_the_cost_inputs():
 
 def test_copying_identical_layers_prints_the_plan_of_interpreting_them_all():
     """The shortcut (four layers interpreted, the rest copied) against the full interpretation, on the default
-    CUDA lowering of the built-in Llama with 6 layers: the same printed plan, op positions and peaks included, and
-    the same printed traces (the copies get the names the interpreter would have given)."""
-    module, args = zoo.build("tiny", n_layer=6)
+    CUDA lowering of the built-in Llama with 6 layers and Llama's rotary embedding (the tables every layer reads): the
+    same printed plan, op positions and peaks included, and the same printed traces (the copies get the names the
+    interpreter would have given)."""
+    module, args = zoo.build("tiny", n_layer=6, rope_theta=10000.0)
     copied, full = (dry_run(module, args, 8, device="cuda", trace_every_layer=every) for every in (False, True))
     assert copied.copied_layers == "2 of 6 layers of model.layers copied from layer 2's ops (4 interpreted)"
     assert full.copied_layers == ""

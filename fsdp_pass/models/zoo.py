@@ -90,11 +90,11 @@ def rope_tables(T: int, head_dim: int, theta: float, dtype, device):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate(t, cos, sin):
-    """(B, heads, T, hd) rotated by position: ``t * cos + rotate_half(t) * sin`` (Llama's apply_rotary_pos_emb)."""
-    half = t.shape[-1] // 2
-    rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-    return t * cos + rotated * sin
+def _rotate(x, cos, sin):
+    """(B, heads, T, hd) rotated by position: ``x * cos + rotate_half(x) * sin`` (Llama's apply_rotary_pos_emb).
+    (No local is named ``t``: the interpreter would name a proxy after it, which the dry run's shortcut refuses.)"""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _repeat_heads(t, times: int):
