@@ -147,14 +147,15 @@ def _tensor_bytes(proxies) -> int:
 
 
 def attention_scores_bytes(bsym, masked: bool = True) -> int:
-    """What an attention computed op by op keeps for its backward besides its inputs and output: its scores
-    before and after the softmax, b·h·s_q·s_k each in the query's dtype, and for a causal or masked one the
-    mask broadcast to them, a byte each (the fallback where Thunder cannot be asked, item 4)."""
+    """What an attention computed op by op keeps for its backward besides its inputs and output: its
+    probabilities, b·h·s_q·s_k in the query's dtype (one tensor, which the traces name twice), and for a causal
+    or masked one (``masked``) the mask broadcast to them, a byte each (the fallback where Thunder cannot be
+    asked, item 4)."""
     args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), bsym.args), **bsym.kwargs)
     q, k = args["query"], args["key"]
     scores = (int(q.numel) // int(q.shape[-1])) * int(k.shape[-2])
     masked = masked and (args.get("is_causal") or args.get("attn_mask") is not None)
-    return scores * (2 * q.dtype.bytes + (1 if masked else 0))
+    return scores * (q.dtype.bytes + (1 if masked else 0))
 
 
 def _kept_by(bsym, fused_attention, needs_grad) -> Saved:
@@ -242,7 +243,7 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
             if matmul:
                 by_matmul.add(o.name)
         if is_attention(bsym) and not fused_attention(bsym):
-            t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False) // 2)
+            t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
         saved = _kept_by(bsym, fused_attention, needs_grad)
         kept.update(base.get(args[i].name, args[i].name) for i in saved.inputs)
         kept.update(outs[j].name for j in saved.outputs)
