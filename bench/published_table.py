@@ -13,16 +13,17 @@ as they stand (their sources are written next to them), and the row was chosen b
    torchtitan's ``train_configs/llama3_8b.toml`` of that time. Its memory is what torchtitan logs as the
    peak (the caching allocator's reserved bytes, fragmentation included).
 2. The model: ``fsdp_pass.models.zoo``'s ``llama3-8b`` (Llama-3-8B's config: vocab 128256, d 4096, 32 layers,
-   32 heads, 8 kv heads, SwiGLU 14336; 8.03 B parameters), ``local_batch`` x ``seq`` tokens per rank.
+   32 heads, 8 kv heads, SwiGLU 14336, rotary embeddings with base 500000; 8.03 B parameters), ``local_batch`` x
+   ``seq`` tokens per rank.
 3. :func:`predict`: ``dry_run`` at world 8 lowered for CUDA, ZeRO-3 with a unit per layer (torchtitan wraps
    each transformer block), mixed precision as torchtitan's (bf16 parameters and compute, float32 reduce),
    the checkpoint level in every unit, AdamW's state; then ``predict_step("h100-nvlink")``.
 4. :func:`table_rows`: step time (published: tokens per step / tokens/s), tokens/s per GPU, peak memory; the
    ratio predicted / published.
 
-What the step model leaves out (say so beside any ratio): torch.compile's fusion (the row chosen has none),
-float8, the rotary embedding (no parameters, a few elementwise ops), the causal mask's halving of attention
-FLOPs (the op FLOPs count the full s x s scores), the power cap (torchtitan's H100s ran at 500 W with HBM2e,
+What the step model leaves out (say so beside any ratio): torch.compile's fusion (the row chosen has none; the
+dry run's CUDA lowering fuses elementwise ops with torchcompile, and the step model keeps what that fusion
+keeps), float8, the power cap (torchtitan's H100s ran at 500 W with HBM2e,
 below the SXM datasheet the cost inputs start from), gradient-norm clipping, the data loader, and the caching
 allocator's reserve over what is allocated. The selective level here keeps every matmul and attention
 result; torchtitan's "op" policy recomputes every second matmul, so it keeps less and recomputes more.
@@ -129,10 +130,10 @@ def format_table(row: Published, pred: Predicted, level: str) -> str:
     out += [
         "",
         "Nothing was tuned to this table: the cost inputs are DEFAULTS['h100-nvlink'] as committed.",
-        "Left out of the model: torch.compile's fusion, float8, RoPE, causal attention's halved FLOPs (counted",
-        "in full), the 500 W power cap and HBM2e of the published H100s, grad clipping, the allocator's reserve",
-        "(the published memory is reserved bytes); the selective level keeps every matmul's result (torchtitan's",
-        "'op' policy recomputes every second matmul).",
+        "Left out of the model: float8, the 500 W power cap and HBM2e of the published H100s, grad clipping,",
+        "the allocator's reserve (the published memory is reserved bytes); the selective level keeps every",
+        "matmul's result (torchtitan's 'op' policy recomputes every second matmul). In it: RoPE, causal",
+        "attention's FLOPs (the pairs a causal kernel computes, about half of s x s).",
     ]
     return "\n".join(out)
 

@@ -387,8 +387,11 @@ def test_an_attention_computed_op_by_op_keeps_its_scores_and_the_summary_counts_
     scores = [t for t in saved if isinstance(t, TensorProxy) and t.ndim == 4 and t.shape[-1] == t.shape[-2] > 1]
     cfg = explain_cases.CONFIG
     b, h, s = cfg["local_batch"], cfg["n_head"], cfg["seq"]
-    per_layer = b * h * s * s * (2 * 4 + 1)  # two float32 scores and the causal mask
-    assert sum(int(t.numel) * t.dtype.bytes for t in scores) == cfg["n_layer"] * per_layer
+    per_layer = b * h * s * s * (4 + 1)  # the float32 probabilities and the causal mask
+    # the probabilities are kept under two names (a shallow copy): one buffer each in the traces' memory
+    probabilities = [t for t in scores if dtypes.is_float_dtype(t.dtype)]
+    buffers = {run.explanation.memory.step.forward.handed_on[t.name].name for t in probabilities}
+    assert len(probabilities) == 2 * len(buffers) == 2 * cfg["n_layer"]
 
     query = SimpleNamespace(shape=(b, h, s, 16), numel=b * h * s * 16, dtype=dtypes.float32)
     Attention = SimpleNamespace(args=(query, query, query), kwargs={"is_causal": True})  # a bound symbol's part
@@ -398,6 +401,8 @@ def test_an_attention_computed_op_by_op_keeps_its_scores_and_the_summary_counts_
     attn = [p for p in summary.pieces if p.name.endswith(".attn")]
     q_k_v_and_output = 4 * b * s * cfg["d"] * 4  # what the attention itself reads and writes, kept too
     assert len(attn) == cfg["n_layer"] and all(p.activation_bytes >= per_layer + q_k_v_and_output for p in attn)
+    # the probabilities counted once (a second copy is what the shallow copy counted before)
+    assert all(p.activation_bytes < per_layer + q_k_v_and_output + b * h * s * s * 4 for p in attn), attn
 
     class Kernel:
         def __init__(self, name, takes):

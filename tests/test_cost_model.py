@@ -152,3 +152,25 @@ def test_probe_of_one_rank_measures_compute_and_host_but_no_link():
     assert r.ranks == 1 and r.points == () and r.link.seconds(1 << 20, 1, ALL_GATHER) == 0.0
     assert r.cost.flops_per_s > 0 and r.cost.op_s > 0 and "float64 matmul" in r.cost.source
     assert "no collectives to measure" in str(r) and "fitted ms" not in str(r)
+
+
+def test_a_causal_attention_run_as_one_kernel_counts_the_pairs_it_computes():
+    """Attention FLOPs: 4*b*h*d per (query, key) pair; a causal kernel computes the s(s+1)/2 pairs a query sees
+    (about half of s*s), computed op by op (masked after) all s*s; a non-causal attention all s*s."""
+    import thunder
+    import thunder.torch as ltorch
+    import torch
+
+    from fsdp_pass.plan.op_flops import causal_pairs, estimated_flops
+
+    b, h, s, d = 2, 3, 64, 16
+    q = torch.empty(b, h, s, d, device="meta")
+
+    def attentions(q):
+        return ltorch.scaled_dot_product_attention(q, q, q, is_causal=True), ltorch.scaled_dot_product_attention(q, q, q)
+
+    causal, full = [x for x in thunder.trace()(attentions, q).bound_symbols if "scaled_dot_product" in x.sym.name]
+    assert estimated_flops(full) == 4 * b * h * d * s * s
+    assert estimated_flops(causal) == 4 * b * h * d * s * (s + 1) // 2
+    assert estimated_flops(causal, skips_masked=False) == estimated_flops(full)
+    assert causal_pairs(4, 4) == 10 and causal_pairs(2, 4) == 3 and causal_pairs(4, 2) == 7  # top-left aligned

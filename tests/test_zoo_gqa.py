@@ -34,3 +34,22 @@ def test_two_kv_heads_equal_multi_head_with_repeated_kv_weights():
     torch.testing.assert_close(gqa(x), mha(x))
     assert sum(p.numel() for p in gqa.parameters()) < sum(p.numel() for p in mha.parameters())
     assert isinstance(gqa.k, nn.Linear) and gqa.k.out_features == 2 * d // heads
+
+
+def test_rotary_embeddings_rotate_each_pair_of_q_and_k_by_its_position():
+    """Llama's rotary embedding (``Config.rope_theta``): the pair (i, i + hd/2) of a head at position t is rotated
+    by t * theta ** (-2i / hd) (as complex numbers); and with it the model tells the order of the tokens apart
+    (without it, the last position's attention sees the same set of tokens in either order: the same logits)."""
+    torch.manual_seed(0)
+    T, hd, theta = 6, 8, 10000.0
+    cos, sin = zoo.rope_tables(T, hd, theta, torch.float32, "cpu")
+    x = torch.randn(1, 2, T, hd)
+    angles = torch.arange(T)[:, None] * theta ** (-torch.arange(0, hd, 2) / hd)
+    pairs = torch.complex(x[..., : hd // 2], x[..., hd // 2 :]) * torch.polar(torch.ones_like(angles), angles)
+    torch.testing.assert_close(zoo._rotate(x, cos, sin), torch.cat((pairs.real, pairs.imag), dim=-1))
+
+    for rope, distinct in ((None, False), (theta, True)):
+        model = zoo.LlamaLM(zoo.Config(vocab=16, d=16, n_head=2, hidden=32, n_layer=1, seq=T, rope_theta=rope))
+        with torch.no_grad():
+            logits = model(torch.tensor([[1, 2, 3, 4, 5, 6], [2, 1, 3, 4, 5, 6]]))
+        assert (not torch.allclose(logits[0, -1], logits[1, -1])) == distinct, rope

@@ -7,9 +7,11 @@ allocated, so a 7B model fits a laptop; the dry run traces it as it is. (The dry
 Hugging Face configs and factories of your own: :mod:`fsdp_pass.models.spec`.)
 
 The model: token embedding -> N decoder layers (RMSNorm, causal attention with q/k/v/o projections,
-RMSNorm, SwiGLU MLP) -> final RMSNorm -> lm_head (not tied). No biases, no positional encoding (it
-adds no parameters and no communication; causal attention alone still learns the benchmark's toy
-language). :class:`WithLoss` puts the cross-entropy inside the module, so the traces (and the memory
+RMSNorm, SwiGLU MLP) -> final RMSNorm -> lm_head (not tied). No biases. The Llama configs rotate q and k by
+position as Llama does (rotary embeddings, ``Config.rope_theta``: the cos and sin tables made once per forward
+from the positions, in float32, cast to the activations' dtype, and applied in every layer with
+``rotate_half``); it adds no parameters and no communication, only ops. The small configs (``tiny``, ``bench``)
+leave it out: causal attention alone learns the benchmark's toy language. :class:`WithLoss` puts the cross-entropy inside the module, so the traces (and the memory
 predicted from them) cover the whole step.
 
 :class:`ResidualMLP` is the simplest model with repeated blocks (residual two-layer MLPs, a linear head, a
@@ -38,6 +40,7 @@ class Config:
     seq: int = 64
     local_batch: int = 4
     n_kv_head: int | None = None  # grouped-query attention: heads of k and v (None: n_head, plain attention)
+    rope_theta: float | None = None  # rotary position embeddings' base (None: no positional encoding)
 
 
 class RMSNorm(nn.Module):
@@ -64,16 +67,34 @@ class Attention(nn.Module):
         self.v = nn.Linear(d, kv, bias=False)
         self.o = nn.Linear(d, d, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, rope=None):
         B, T, C = x.shape
         h, g = self.n_head, self.n_kv_head  # (C // h written out per use: the ops traced as before GQA was added)
         q = self.q(x).view(B, T, h, C // h).transpose(1, 2)
         k = self.k(x).view(B, T, g, C // h).transpose(1, 2)
         v = self.v(x).view(B, T, g, C // h).transpose(1, 2)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
         if g != h:
             k, v = _repeat_heads(k, h // g), _repeat_heads(v, h // g)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
+
+
+def rope_tables(T: int, head_dim: int, theta: float, dtype, device):
+    """Llama's rotary tables: (cos, sin), each (T, head_dim): position t times the frequencies
+    ``theta ** (-2i / head_dim)``, written twice over the head (the halves ``rotate_half`` pairs)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(T, dtype=torch.float32, device=device), inv_freq)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(x, cos, sin):
+    """(B, heads, T, hd) rotated by position: ``x * cos + rotate_half(x) * sin`` (Llama's apply_rotary_pos_emb).
+    (No local is named ``t``: the interpreter would name a proxy after it, which the dry run's shortcut refuses.)"""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _repeat_heads(t, times: int):
@@ -103,8 +124,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(d)
         self.mlp = SwiGLU(d, hidden)
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -119,8 +140,11 @@ class LlamaLM(nn.Module):
 
     def forward(self, idx):
         x = self.embed(idx)
+        cfg, rope = self.cfg, None
+        if cfg.rope_theta is not None:
+            rope = rope_tables(idx.shape[1], cfg.d // cfg.n_head, cfg.rope_theta, x.dtype, x.device)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, rope) if rope is not None else layer(x)
         return self.lm_head(self.norm(x))
 
 
@@ -173,11 +197,14 @@ def lm_loss(logits, targets):
 CONFIGS = {
     "tiny": Config(vocab=64, d=32, n_head=2, hidden=64, n_layer=2, seq=16, local_batch=2),
     "bench": Config(),
-    "llama2-7b": Config(vocab=32000, d=4096, n_head=32, hidden=11008, n_layer=32, seq=4096, local_batch=1),
-    "llama2-13b": Config(vocab=32000, d=5120, n_head=40, hidden=13824, n_layer=40, seq=4096, local_batch=1),
-    # Llama-3-8B's published config (8.03 B parameters; its rotary embedding, theta 500000, adds none and is left out)
+    "llama2-7b": Config(vocab=32000, d=4096, n_head=32, hidden=11008, n_layer=32, seq=4096, local_batch=1,
+                        rope_theta=10000.0),
+    "llama2-13b": Config(vocab=32000, d=5120, n_head=40, hidden=13824, n_layer=40, seq=4096, local_batch=1,
+                         rope_theta=10000.0),
+    # Llama-3-8B's published config (8.03 B parameters, rotary base 500000; Llama 3.1's frequency scaling for
+    # long contexts changes the tables' values, not the ops, and is left out)
     "llama3-8b": Config(vocab=128256, d=4096, n_head=32, hidden=14336, n_layer=32, seq=8192, local_batch=1,
-                        n_kv_head=8),
+                        n_kv_head=8, rope_theta=500000.0),
 }
 
 

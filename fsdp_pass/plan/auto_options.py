@@ -30,6 +30,7 @@ import torch.distributed as dist
 from fsdp_pass.errors import fail
 from fsdp_pass.plan.auto_plan import AutoPlan, plan_step
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.fused_saves import fuses_elementwise
 from fsdp_pass.plan.options import AutoSettings, FSDPOptions
 from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
@@ -112,7 +113,7 @@ def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDP
     inp, _ = policy_input(computation, param_of_arg, model.sharding, model.tree)
     optimizer = options.auto.optimizer if options.auto is not None else AutoSettings.optimizer
     return summarize(computation, inp, param_of_arg, model.sharding, options.mixed_precision, optimizer,
-                     model.groups.replicas, fused_attention(executors))
+                     model.groups.replicas, fused_attention(executors), fuses_elementwise(executors))
 
 
 def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):

@@ -1,7 +1,10 @@
 """A rough FLOP count of one trace op: enough to tell a matmul-heavy stretch of a trace from an empty one.
 
 Matmuls and linears 2·m·n·k, attention 4·b·h·s_q·s_k·d, any other op one per output element, a fusion region
-the sum of what it contains. The overlap report (what compute hides a collective) and the auto planner (how
+the sum of what it contains. A causal attention run as one kernel (flash, memory-efficient, cuDNN) skips the
+blocks above the diagonal: it computes the s_q·s_k pairs a query sees (query i the keys up to i, top-left
+aligned as torch's ``is_causal``), about half; computed op by op (``skips_masked=False``) it computes them all
+and masks. The overlap report (what compute hides a collective) and the auto planner (how
 long a unit computes) both count with it.
 """
 
@@ -24,10 +27,24 @@ def is_attention(bsym) -> bool:
     return "scaled_dot_product" in str(bsym.sym.name)
 
 
-def estimated_flops(bsym) -> int:
-    """The FLOPs of one bound symbol, by the rules above."""
+def is_causal(bsym) -> bool:
+    """An attention called with ``is_causal=True`` (by keyword, or sixth as torch's signature has it)."""
+    if "is_causal" in bsym.kwargs:
+        return bool(bsym.kwargs["is_causal"])
+    return str(bsym.sym.name) == "scaled_dot_product_attention" and len(bsym.args) > 5 and bsym.args[5] is True
+
+
+def causal_pairs(s_q: int, s_k: int) -> int:
+    """(query, key) pairs a causal attention computes: query i sees keys 0..i (top-left aligned)."""
+    full = min(s_q, s_k)
+    return full * (full + 1) // 2 + max(s_q - s_k, 0) * s_k
+
+
+def estimated_flops(bsym, skips_masked: bool = True) -> int:
+    """The FLOPs of one bound symbol, by the rules above (``skips_masked``: a causal attention runs as a kernel
+    that skips what the mask hides)."""
     if bsym.sym.is_fusion:
-        return sum(estimated_flops(s) for s in bsym.subsymbols)
+        return sum(estimated_flops(s, skips_masked) for s in bsym.subsymbols)
     name = str(bsym.sym.name)
     tensors_in = [p for p in bsym.flat_proxy_args if getattr(p, "shape", None) is not None]
     tensors_out = [p for p in bsym.flat_proxy_outs if getattr(p, "shape", None) is not None]
@@ -37,5 +54,7 @@ def estimated_flops(bsym) -> int:
         return 2 * numel(tensors_out[0]) * tensors_in[0].shape[-1]
     if is_attention(bsym) and len(tensors_in) >= 2 and len(tensors_in[0].shape) >= 2:
         q, k = tensors_in[0], tensors_in[1]
-        return 4 * numel(q) * k.shape[-2]
+        s_q, s_k = int(q.shape[-2]), int(k.shape[-2])
+        pairs = causal_pairs(s_q, s_k) if skips_masked and is_causal(bsym) else s_q * s_k
+        return 4 * (numel(q) // max(s_q, 1)) * pairs
     return max(numel(p) for p in tensors_out)

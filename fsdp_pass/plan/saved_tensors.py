@@ -14,7 +14,7 @@ measured 147,800 B against a 122,544 B budget, issue 39). So each op is asked of
    the executor list of the compile under way, so an executor's own gradient rule is used where it would be:
    a fused attention keeps a log-sum-exp, not its scores); what the forward returns for the backward is what
    the step keeps of this op.
-3. Each kept tensor, a view taken as the tensor it views (a broadcast norm weight is its own bytes, not the
+3. Each kept tensor, a view or a shallow copy taken as the tensor it shares memory with (a broadcast norm weight is its own bytes, not the
    activation's), is one of the op's tensor arguments (by position), one of its outputs (by position), or made
    inside the op (its bytes).
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from thunder.core import dtypes
+from thunder.core import dtypes, prims
 from thunder.core.compile_data import compile_data_and_stats, get_compile_data
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten, tree_map
@@ -102,7 +102,9 @@ def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors) -> tuple[list[st
     viewed: dict[str, TensorProxy] = {}  # a view's name -> the tensor whose memory it shares
     for b in forward.bound_symbols:
         src = [p for p in b.flat_proxy_args if isinstance(p, TensorProxy)]
-        if is_view_like(b) and src:
+        # a view, or a shallow copy (a new name for the same tensor: a decomposed attention keeps its
+        # probabilities under two names, which counted its b*h*s*s scores twice)
+        if (is_view_like(b) or b.sym.id == prims.PrimIDs.SHALLOW_COPY) and src:
             for o in b.flat_proxy_outs:
                 if isinstance(o, TensorProxy):
                     viewed[o.name] = viewed.get(src[0].name, src[0])

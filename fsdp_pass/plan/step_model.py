@@ -75,6 +75,9 @@ OPS_PER_COLLECTIVE = 4
 # the backward's working set, in a unit's largest forward result: the gradient an op receives, the one it makes and
 # a temporary as large (the bench model's loss: the logits' gradient, log-softmax's and nll's; the traces, 2026-11-25)
 WORKING_RESULTS = 3
+# an attention computed op by op: its backward makes the gradients of its probabilities and of its scores, each as
+# large as the scores (the tiny Llama's CPU lowering at 1024 tokens: two b*h*s*s buffers live at its backward's peak)
+SCORE_GRADIENTS = 2
 
 
 @dataclass(frozen=True)
@@ -192,12 +195,25 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)),
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)),
-                WORKING_RESULTS * max(p.largest_result_bytes for p in ps),
+                _working(ps),
                 every - kept,
                 recompute_s,
             )
         )
     return out
+
+
+def _working(ps) -> int:
+    """The most a unit's backward holds beyond all of its activations (kept and recomputed): walking its pieces
+    last first, each piece's working set (:data:`WORKING_RESULTS` times its largest result, or an attention's
+    score gradients) while its own and its earlier pieces' activations are live, the later pieces' freed."""
+    every = sum(p.activation_bytes for p in ps)
+    live, most = every, 0
+    for p in reversed(ps):
+        piece = max(WORKING_RESULTS * p.largest_result_bytes, SCORE_GRADIENTS * p.scores_bytes)
+        most = max(most, live + piece - every)
+        live -= p.activation_bytes
+    return most
 
 
 def _across_replicas_s(summary: StepSummary, grads: int, cost: CostInputs) -> float:

@@ -12,16 +12,18 @@ Read off the functional forward trace, before any rewriting:
    precision's ``param_dtype``, else their own); ``grad_bytes`` the same in the dtype they are reduced in.
 2. ``shard_bytes``: what this rank keeps of them between steps (padding included).
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
-   :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, others one
-   per output element).
+   :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, about half that
+   when causal and run as one kernel, others one per output element).
 4. ``activation_bytes``: what the backward keeps of those ops, as Thunder's autodiff keeps it
    (:mod:`~fsdp_pass.plan.saved_tensors`: each op differentiated alone): the results it keeps, each charged
    to the piece whose op made it (a view to what it views), and the intermediates of the decompositions it
    differentiates through (a tanh GELU's, a layer norm's, an attention's scores where no executor runs it as
    one kernel with a backward of its own: torch's SDPA on CUDA keeps a log-sum-exp per row, left out).
    ``matmul_activation_bytes`` the part that matmuls and attentions make (what selective checkpointing keeps),
-   ``read_later`` the results that later pieces read (what a checkpointed unit keeps). Fusion may recompute
-   some: on a fusion executor this is an upper bound. The dry run's traced peak (``explain()``) is the check.
+   ``read_later`` the results that later pieces read (what a checkpointed unit keeps). On a fusion executor
+   (the CUDA lowering) the elementwise chains keep their inputs instead (:mod:`~fsdp_pass.plan.fused_saves`).
+   ``scores_bytes``: an attention computed op by op, its scores (its backward makes two gradients as large).
+   The dry run's traced peak (``explain()``) is the check.
 
 5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
    views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them), ``matmul_ops`` and ``matmul_flops`` the
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
+from fsdp_pass.plan.fused_saves import is_elementwise, kept_after_fusion
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.op_flops import estimated_flops, is_attention, is_matmul_like
@@ -76,6 +79,7 @@ class Piece:
     matmul_activation_bytes: int = 0  # the part of ``activation_bytes`` they make (what selective checkpointing keeps)
     # (the last piece that reads them, bytes): its results read by later pieces, which a checkpointed unit keeps
     read_later: tuple[tuple[int, int], ...] = ()
+    scores_bytes: int = 0  # the largest b·h·s·s scores of an attention computed op by op (its backward's working set)
 
 
 @dataclass(frozen=True)
@@ -142,15 +146,16 @@ def _tensor_bytes(proxies) -> int:
     return sum(int(p.numel) * p.dtype.bytes for p in proxies if getattr(p, "shape", None) is not None)
 
 
-def attention_scores_bytes(bsym) -> int:
-    """What an attention computed op by op keeps for its backward besides its inputs and output: its scores
-    before and after the softmax, b·h·s_q·s_k each in the query's dtype, and for a causal or masked one the
-    mask broadcast to them, a byte each (the fallback where Thunder cannot be asked, item 4)."""
+def attention_scores_bytes(bsym, masked: bool = True) -> int:
+    """What an attention computed op by op keeps for its backward besides its inputs and output: its
+    probabilities, b·h·s_q·s_k in the query's dtype (one tensor, which the traces name twice), and for a causal
+    or masked one (``masked``) the mask broadcast to them, a byte each (the fallback where Thunder cannot be
+    asked, item 4)."""
     args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), bsym.args), **bsym.kwargs)
     q, k = args["query"], args["key"]
     scores = (int(q.numel) // int(q.shape[-1])) * int(k.shape[-2])
-    masked = args.get("is_causal") or args.get("attn_mask") is not None
-    return scores * (2 * q.dtype.bytes + (1 if masked else 0))
+    masked = masked and (args.get("is_causal") or args.get("attn_mask") is not None)
+    return scores * (q.dtype.bytes + (1 if masked else 0))
 
 
 def _kept_by(bsym, fused_attention, needs_grad) -> Saved:
@@ -182,14 +187,16 @@ class _Tally:
     acts: list
     matmul_acts: list
     escaping: list  # per piece: {last reading piece: bytes}
+    scores: list  # per piece: the largest scores of an attention computed op by op
 
 
 def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False,
-                  outputs: frozenset[str] = frozenset()) -> _Tally:
+                  outputs: frozenset[str] = frozenset(), fuses: bool = False) -> _Tally:
     """FLOPs, op counts, elementwise bytes moved, largest results (``outputs``, the names the forward returns,
-    left out), kept bytes (all, and those matmuls make) and the bytes read after the piece, of the forward's ops,
-    each charged to the piece whose parameter the trace read last before it."""
-    t = _Tally(*([0] * n for _ in range(9)))
+    left out), kept bytes (all, and those matmuls make; ``fuses``: as a fusion executor keeps them,
+    :mod:`~fsdp_pass.plan.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
+    the piece whose parameter the trace read last before it."""
+    t = _Tally(*([0] * n for _ in range(10)))
     t.flops, t.matmul_flops, t.escaping = [0.0] * n, [0.0] * n, [{} for _ in range(n)]
     if n == 0:  # a model without parameters: no piece to charge
         return t
@@ -200,6 +207,7 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
     kept: set[str] = set()
     last_read: dict[str, int] = {}
     differentiated: set[str] = set()  # the results that depend on a parameter (the trace marks parameters only)
+    elementwise_inputs: dict[str, tuple[str, ...]] = {}  # under fusion: an elementwise op's result -> what it read
 
     def needs_grad(p) -> bool:
         return bool(p.requires_grad) or p.name in differentiated
@@ -216,7 +224,7 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
             name = base.get(p.name, p.name)
             if name in made_in:
                 last_read[name] = max(last_read.get(name, 0), current)
-        flops = estimated_flops(bsym)
+        flops = estimated_flops(bsym, skips_masked=not is_attention(bsym) or fused_attention(bsym))
         matmul = is_matmul_like(bsym)
         t.flops[current] += flops
         t.ops[current] += 1
@@ -234,16 +242,24 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
             made_in[o.name], proxy[o.name] = current, o
             if matmul:
                 by_matmul.add(o.name)
+        if is_attention(bsym) and not fused_attention(bsym):
+            t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
         saved = _kept_by(bsym, fused_attention, needs_grad)
         kept.update(base.get(args[i].name, args[i].name) for i in saved.inputs)
         kept.update(outs[j].name for j in saved.outputs)
-        t.acts[current] += saved.inside_bytes
+        fused_away = fuses and is_elementwise(bsym)
+        if fused_away:
+            for o in outs:
+                elementwise_inputs[o.name] = tuple(base.get(p.name, p.name) for p in args)
+        t.acts[current] += 0 if fused_away else saved.inside_bytes
         if matmul:
             t.matmul_acts[current] += saved.inside_bytes
         if not matmul:
             t.moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
         kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in outputs]
         t.largest[current] = max([t.largest[current], *(_tensor_bytes((o,)) for o in kept_inside)])
+    if fuses:
+        kept = kept_after_fusion(kept, elementwise_inputs, made_in, lambda name: _tensor_bytes((proxy[name],)))
     for name in kept:
         if name in made_in:
             nbytes = _tensor_bytes((proxy[name],))
@@ -266,6 +282,7 @@ def summarize(
     optimizer: Optimizer = ADAMW,
     replicas: int = 1,
     fused_attention=lambda bsym: False,
+    fuses: bool = False,
 ) -> StepSummary:
     """The pieces of the functional forward trace ``computation`` (``inp``: what a unit policy sees of it);
     ``replicas``: HSDP's copies of the shard group (1 without HSDP); ``fused_attention(bsym)``: whether an
@@ -274,7 +291,8 @@ def summarize(
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
     outputs = _outputs(computation)  # their gradients are the step's output_bytes, not a piece's working set
-    t = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention, frozenset(o.name for o in outputs))
+    t = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention, frozenset(o.name for o in outputs),
+                      fuses)
 
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).nbytes(dtype) for p in params)
@@ -296,6 +314,7 @@ def summarize(
             t.matmul_ops[i],
             min(t.matmul_acts[i], t.acts[i]),
             tuple(sorted(t.escaping[i].items())),
+            t.scores[i],
         )
         for i, (name, block, params) in enumerate(found)
     )
