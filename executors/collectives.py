@@ -155,7 +155,7 @@ def _watched(call, kind, output, input, group):
     return call()
 
 
-def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: CollectiveKind, group) -> InFlight:
+def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: CollectiveKind, group=None) -> InFlight:
     issued = time.perf_counter()
     call = functools.partial(start, output, input)
     if not output.is_cuda:
