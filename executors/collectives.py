@@ -131,11 +131,11 @@ def _completion_of(work):
         return None
 
 
-# What watches the collectives this executor issues: functions ``around(kind, out, inp, group, call)`` that return
-# ``call()``'s result (the started collective's work; an all-reduce's ``out`` and ``inp`` are its one tensor). ``_issue``,
-# the one place this executor starts a collective, calls them for every collective alike: a backend call or, over a
-# group of one rank, the copy it amounts to. ``fsdp_pass.report.measure`` subscribes (``watching_issues``) to count
-# and mark them (``CollectiveBytes``, the measured step).
+# What watches the collectives this executor issues: functions ``around(kind, out, inp, group, call)`` that
+# return ``call()``'s result (the started collective's work; an all-reduce's ``out`` and ``inp`` are its one
+# tensor). ``_issue``, the one place this executor starts a collective, calls them for every collective alike: a
+# backend call or, over a group of one rank, one that returns its input. ``fsdp_pass.report.measure`` subscribes
+# (``watching_issues``) to count and mark them (``CollectiveBytes``, the measured step).
 _ISSUE_WATCHERS: list = []
 
 

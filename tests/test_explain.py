@@ -11,9 +11,9 @@ import torch
 
 from fsdp_pass import FSDP, FSDPError, explain, fake_process_group
 from fsdp_pass.__main__ import main
-from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.models import zoo
-from fsdp_pass.predicates import is_pack_shards
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
+from fsdp_pass.predicates import is_all_gather, is_pack_shards, is_packing, is_wait
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.memory import (
     GATHERED,
@@ -23,6 +23,7 @@ from fsdp_pass.report.memory import (
     live_over_step,
     step_memory,
 )
+from fsdp_pass.report.overlap import is_compute
 from fsdp_pass.report.text import human_bytes, human_count
 from tests import explain_cases, tolerances
 from tests.dry_runs import model_dry_run
@@ -76,7 +77,20 @@ def test_one_rank_collectives_return_their_inputs_and_the_peak_stays_exact(ranks
     assert all(same for _, same in r["results_are_inputs"]), r["results_are_inputs"]
     predicted = model_dry_run(1, "zero3").explanation.memory.step.peak_bytes
     assert r["predicted_peak"] == predicted
-    assert all(abs(p - predicted) <= tolerances.PEAK_BYTES for p in r["measured_peaks"]), (r["measured_peaks"], predicted)
+    peaks = r["measured_peaks"]
+    assert all(abs(p - predicted) <= tolerances.PEAK_BYTES for p in peaks), (peaks, predicted)
+
+
+def test_one_rank_gathers_are_not_prefetched():
+    """Over one rank a gather moves nothing (it returns the packed shards): each is issued right before its wait,
+    no compute between, where a prefetched one would hold its buffer through the unit before."""
+    run = model_dry_run(1, "zero3")
+    for trace in (run.forward, run.backward):
+        bsyms = trace.bound_symbols
+        for c in [i for i, b in enumerate(bsyms) if is_all_gather(b)]:
+            (w,) = [i for i, b in enumerate(bsyms) if is_wait(b) and b.args[0].name == bsyms[c].output.name]
+            between = [b.sym.name for b in bsyms[c + 1 : w] if is_compute(b) and not is_packing(b)]
+            assert not between, (c, w, between)
 
 
 def test_zero3_predicts_less_gathered_memory_than_zero2():
