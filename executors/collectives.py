@@ -127,7 +127,7 @@ def _completion_of(work):
         return None
     try:
         return work.get_future().then(_stamp_time)  # captures nothing: the buffers' lifetimes are unchanged
-    except (RuntimeError, AttributeError):  # a backend without futures; a one-rank copy (no backend, done at issue)
+    except (RuntimeError, AttributeError):  # a backend without futures; a one-rank collective (no backend)
         return None
 
 
