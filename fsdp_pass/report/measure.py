@@ -1,7 +1,7 @@
 """Measure what a real step allocates and communicates, to hold :func:`fsdp_pass.report.explain`'s predictions against.
 
 ``CollectiveBytes()``: a context that records the full buffer of every all-gather and reduce-scatter
-issued while it is open (by ``fsdp_comm``, a one-rank group's copies included, or by other code through
+issued while it is open (by ``fsdp_comm``, a one-rank group's included, which call no backend, or by other code through
 ``torch.distributed``) (and of every all-reduce of floating-point values: HSDP's
 gradient shards; the per-step check's integer all-reduce is not the step's data), and the bytes each rank
 sends for them (ring model, over each call's group).
@@ -78,7 +78,7 @@ class _InterceptCollectives:
     """While open, every collective goes through ``around(kind, out, inp, group, call)``, which must return
     ``call()``'s result (an all-reduce's ``out`` and ``inp`` are its one tensor): the all-gathers, reduce-scatters
     and all-reduces of floating-point tensors that ``fsdp_comm`` issues, seen by its one issue hook
-    (:func:`fsdp_pass_executors.collectives.watching_issues`: backend calls and one-rank copies alike), and those
+    (:func:`fsdp_pass_executors.collectives.watching_issues`: backend calls and one-rank collectives alike), and those
     that other code hands to ``torch.distributed`` itself (FSDP2 and DDP in the benchmarks), seen by wrapping
     ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` / ``dist.all_reduce``. A collective that
     ``fsdp_comm`` issues through ``torch.distributed`` is seen once, by the hook."""
