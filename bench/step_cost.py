@@ -3,7 +3,8 @@
     python -m bench.step_cost [--threads 1] [--layers 24] [--rounds 8] [--steps 5] [--profile]
 
 A 24-layer Llama-style model at d 64 is almost all per-op overhead, so the gap between the two rows is what
-the pass adds per step: its packing ops, the collectives (copies at world 1, still issued through gloo) and
+the pass adds per step: its packing ops, the collectives (at world 1 no backend call: a gather or reduce-scatter
+returns its input) and
 the waits. Prints the median step (forward, loss, backward, AdamW) of each, the two rows taking turns so
 that a drifting machine load weighs on both alike; ``--profile`` adds cProfile's
 top functions by own time for the FSDP row, to see whether the pass's ops or the compute grew.

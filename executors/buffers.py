@@ -120,7 +120,7 @@ def _copy_rank_major(block: torch.Tensor, grad: torch.Tensor, lay) -> None:
 
 
 def unpack_grad_shard_impl(local: torch.Tensor, unit: str, shard_shapes, ranks: int, divide: bool, dtype, device):
-    if divide:
+    if divide and ranks > 1:
         local.div_(ranks)  # the reduction's own output: nobody else holds it
     local = local.to(dtype=_torch_dtype(dtype) or local.dtype, device=_torch_device(device) or local.device)
     if len(shard_shapes) == 1:

@@ -4,7 +4,8 @@ It implements Thunder's distributed prims ``all_gather``, ``reduce_scatter``, ``
 reduced shard over its replicas) and ``wait``; in a printed execution trace they read ``fsdp_all_gather(...)``,
 ``fsdp_reduce_scatter(...)``, ``fsdp_all_reduce(...)``, ``fsdp_wait(...)``.
 
-1. Issue (``fsdp_all_gather`` / ``fsdp_reduce_scatter`` / ``fsdp_all_reduce``): allocate the output where the
+1. Issue (``fsdp_all_gather`` / ``fsdp_reduce_scatter`` / ``fsdp_all_reduce``, through ``_issue``, where
+   :func:`watching_issues`' subscribers see it): allocate the output where the
    input lives (an all-reduce asked to skip the clone sums in place; an all-gather of shards packed into
    their slice of the gathered buffer, :data:`GATHERED_BUFFER`, fills that buffer in place), start the collective with
    ``async_op=True`` and return an :class:`InFlight`: the work handle, the output, and the input. The
@@ -26,13 +27,17 @@ the work has no future (gloo's reduce-scatter) and on CUDA, where the host learn
 GPU finished.
 
 On CPU/gloo the same path runs: gloo runs collectives on its own threads, so compute continues while
-one is in flight. Over a group of one rank (world size 1) a collective is the copy it amounts to, made at its
-issue, with no backend call: the buffers are allocated as before, and its wait returns at once. ``fsdp_wait`` also accepts the ``(handle, tensor)`` pair of Thunder's torch executor,
+one is in flight. Over a group of one rank (world size 1) an all-gather or a reduce-scatter returns its input (a view:
+the gathered buffer is the packed shards, the summed part the packed gradients; the memory model counts by
+:func:`fsdp_pass.ops.flat_buffers.collective_returns_input`), an all-reduce sums nothing; no backend call, and the
+wait returns at once. ``fsdp_wait`` also accepts the ``(handle, tensor)`` pair of Thunder's torch executor,
 for collectives this executor did not issue (e.g. a ``broadcast`` from another transform).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -122,21 +127,46 @@ def _completion_of(work):
         return None
     try:
         return work.get_future().then(_stamp_time)  # captures nothing: the buffers' lifetimes are unchanged
-    except RuntimeError:  # a backend without futures
+    except (RuntimeError, AttributeError):  # a backend without futures; a one-rank collective (no backend)
         return None
 
 
-def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: CollectiveKind | None = None) -> InFlight:
+# What watches the collectives this executor issues: functions ``around(kind, out, inp, group, call)`` that
+# return ``call()``'s result (the started collective's work; an all-reduce's ``out`` and ``inp`` are its one
+# tensor). ``_issue``, the one place this executor starts a collective, calls them for every collective alike: a
+# backend call or, over a group of one rank, one that returns its input. ``fsdp_pass.report.measure`` subscribes
+# (``watching_issues``) to count and mark them (``CollectiveBytes``, the measured step).
+_ISSUE_WATCHERS: list = []
+
+
+@contextlib.contextmanager
+def watching_issues(around):
+    """While open, ``around(kind, out, inp, group, call)`` sees every collective this executor issues."""
+    _ISSUE_WATCHERS.append(around)
+    try:
+        yield
+    finally:
+        _ISSUE_WATCHERS.remove(around)
+
+
+def _watched(call, kind, output, input, group):
+    for around in reversed(_ISSUE_WATCHERS):  # the first subscribed is outermost
+        call = functools.partial(around, kind, output, input, group, call)
+    return call()
+
+
+def _issue(start, output: torch.Tensor, input: torch.Tensor, kind: CollectiveKind, group=None) -> InFlight:
     issued = time.perf_counter()
+    call = functools.partial(start, output, input)
     if not output.is_cuda:
-        work = start(output, input)
+        work = _watched(call, kind, output, input, group) if _ISSUE_WATCHERS else call()
         completion = _completion_of(work) if WAIT_CLOCK.events is not None else None
         return InFlight(work, output, input, None, kind, issued, completion)
     compute = torch.cuda.current_stream(output.device)
     comm = communication_stream(output.device)
     comm.wait_stream(compute)  # the input is written by the compute stream
     with torch.cuda.stream(comm):
-        work = start(output, input)
+        work = _watched(call, kind, output, input, group) if _ISSUE_WATCHERS else call()
     return InFlight(work, output, input, comm, kind, issued)
 
 
@@ -151,68 +181,55 @@ GATHERED_BUFFER = "fsdp_gathered_buffer"
 
 
 class _Done:
-    """The work of a collective over a group of one rank: its result is a copy, made when it is issued."""
+    """The work of a collective over a group of one rank: nothing to wait for."""
 
     def wait(self) -> bool:
         return True
 
 
-def _copied(o: torch.Tensor, i: torch.Tensor) -> _Done:
-    if not (o.data_ptr() == i.data_ptr() and o.shape == i.shape):  # packed in place: already there
-        o.copy_(i)
-    return _Done()
-
-
 def _alone(group) -> bool:
-    """A group of one rank: gathering, scattering or reducing is a copy (no backend call, no thread hand-off:
-    on a busy host each of those costs more than the copy)."""
+    """A group of one rank: gathering or scattering returns the input, reducing it is the input (no backend call,
+    no thread hand-off: on a busy host each of those costs more than the op)."""
     return group.size() == 1
 
 
-# What watches the collectives over a group of one rank, which call no backend: None, or
-# ``around(kind, out, inp, group, call)`` returning ``call()``'s result. ``fsdp_pass.report.measure`` sets it while it
-# intercepts the backend's collectives, so what it counts (``CollectiveBytes``, the measured step) holds them too.
-ONE_RANK_OBSERVER = None
-
-
-def _one_rank(kind, group, copy):
-    """The start of a one-rank collective: ``copy``, seen by ``ONE_RANK_OBSERVER`` when one is set."""
-    observer = ONE_RANK_OBSERVER
-    if observer is None:
-        return copy
-    return lambda o, i: observer(kind, o, i, group, lambda: copy(o, i))
-
-
 def _all_gather_impl(a: torch.Tensor, /, group, do_async, dim: int | None = None):
+    if _alone(group):  # the gathered buffer is the packed shards (fsdp_pass.ops.flat_buffers.collective_returns_input)
+        return _one_rank(a, ALL_GATHER, group, do_async)
     out = getattr(a, GATHERED_BUFFER, None)
     if out is None or out.numel() != a.numel() * group.size():
         out = _resized(a, group, grow=True)
     else:
         out = out.view((a.shape[0] * group.size(), *a.shape[1:]))
-    start = _one_rank(ALL_GATHER, group, _copied) if _alone(group) else (
-        lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True)
-    )
-    flight = _issue(start, out, a, ALL_GATHER)
+    start = lambda o, i: dist.all_gather_into_tensor(o, i, group, async_op=True)  # noqa: E731
+    flight = _issue(start, out, a, ALL_GATHER, group)
     return flight if do_async else _wait_impl(flight)
 
 
 def _reduce_scatter_impl(a: torch.Tensor, /, op, group, do_async, dim: int | None = None):
+    if _alone(group):  # the summed part is the packed gradients (collective_returns_input)
+        return _one_rank(a, REDUCE_SCATTER, group, do_async)
     out = _resized(a, group, grow=False)
     reduce_op = to_torch_distributed_reduce_op(op)
-    start = _one_rank(REDUCE_SCATTER, group, _copied) if _alone(group) else (
-        lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True)
-    )
-    flight = _issue(start, out, a, REDUCE_SCATTER)
+    start = lambda o, i: dist.reduce_scatter_tensor(o, i, reduce_op, group, async_op=True)  # noqa: E731
+    flight = _issue(start, out, a, REDUCE_SCATTER, group)
+    return flight if do_async else _wait_impl(flight)
+
+
+def _one_rank(a: torch.Tensor, kind, group, do_async):
+    """An all-gather or reduce-scatter over a group of one rank: its result is its input (a view), issued and
+    waited like any other collective, with no backend call and nothing copied."""
+    flight = _issue(lambda o, i: _Done(), a.view(a.shape), a, kind, group)
     return flight if do_async else _wait_impl(flight)
 
 
 def _all_reduce_impl(a: torch.Tensor, /, op, group, do_async, skip_clone: bool = False):
     out = a if skip_clone else a.clone()
     reduce_op = to_torch_distributed_reduce_op(op)
-    start = _one_rank(ALL_REDUCE, group, lambda o, i: _Done()) if _alone(group) else (
+    start = (lambda o, i: _Done()) if _alone(group) else (  # one rank: the sum is the input
         lambda o, i: dist.all_reduce(o, reduce_op, group, async_op=True)
     )
-    flight = _issue(start, out, out, ALL_REDUCE)
+    flight = _issue(start, out, out, ALL_REDUCE, group)
     return flight if do_async else _wait_impl(flight)
 
 

@@ -10,6 +10,7 @@ from fsdp_pass import FSDP, explain
 from fsdp_pass.models import zoo
 from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass_executors import executors_for
+from fsdp_pass_executors.collectives import watching_issues
 
 # small enough for a few seconds per step on 2 CPU ranks, big enough that every unit's bytes show
 CONFIG = dict(vocab=256, d=64, n_head=4, hidden=176, n_layer=2, seq=32, local_batch=2)
@@ -36,12 +37,16 @@ def measured_step(strategy: str, measured_steps: int = 3):
         jm(*args).backward()
 
     peaks, recorded, calls = [], [], []
+    results_are_inputs = []  # (kind, whether the collective's result is its input's storage) per collective
     for i in range(2 + measured_steps):  # two warm-up steps: compile, then the optimizer's state exists
         opt.zero_grad(set_to_none=True)
         if i < 2:
             step()
         else:
-            with CollectiveBytes() as sent:
+            with CollectiveBytes() as sent, watching_issues(lambda kind, out, inp, group, call: (
+                results_are_inputs.append((kind, out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()))
+                or call()
+            )):
                 allocations = allocated_during(step)
             peaks.append(allocations.peak_bytes)
             recorded.append(allocations.recorded_peak_bytes)
@@ -54,6 +59,7 @@ def measured_step(strategy: str, measured_steps: int = 3):
         "recorded_peaks": recorded,  # the profiler's events as recorded
         "measured_bytes_sent": [c.bytes_sent_per_rank for c in calls],
         "measured_kinds": [sorted(k for k, _ in c.calls) for c in calls],
+        "results_are_inputs": results_are_inputs,
         "measured_param_bytes": sum(p.numel() * p.element_size() for p in jm.parameters()),
         "measured_optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
         "predicted_peak": e.memory.step.peak_bytes,

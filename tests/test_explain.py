@@ -12,7 +12,8 @@ import torch
 from fsdp_pass import FSDP, FSDPError, explain, fake_process_group
 from fsdp_pass.__main__ import main
 from fsdp_pass.models import zoo
-from fsdp_pass.predicates import is_pack_shards
+from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
+from fsdp_pass.predicates import is_all_gather, is_pack_shards, is_packing, is_wait
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.memory import (
     GATHERED,
@@ -22,6 +23,7 @@ from fsdp_pass.report.memory import (
     live_over_step,
     step_memory,
 )
+from fsdp_pass.report.overlap import is_compute
 from fsdp_pass.report.text import human_bytes, human_count
 from tests import explain_cases, tolerances
 from tests.dry_runs import model_dry_run
@@ -64,6 +66,31 @@ def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
         assert all(raw >= p for raw, p in zip(r["recorded_peaks"], peaks)), (r["recorded_peaks"], peaks)
     peak_kinds = dry.explanation.memory.step.peak_by_kind
     assert peak_kinds.get(GATHERED, 0) > 0, peak_kinds
+
+
+def test_one_rank_collectives_return_their_inputs_and_the_peak_stays_exact(ranks):
+    """At world size 1 an all-gather's result is the packed shards and a reduce-scatter's the packed gradients
+    (``fsdp_pass.ops.flat_buffers.collective_returns_input``): the same storage, nothing copied. The memory model
+    counts them so: the measured peak is the predicted one, and a dry run at one rank predicts it too."""
+    (r,) = ranks(1).run(explain_cases.measured_step, "zero3", 1)
+    assert {kind for kind, _ in r["results_are_inputs"]} == {ALL_GATHER, REDUCE_SCATTER}
+    assert all(same for _, same in r["results_are_inputs"]), r["results_are_inputs"]
+    predicted = model_dry_run(1, "zero3").explanation.memory.step.peak_bytes
+    assert r["predicted_peak"] == predicted
+    peaks = r["measured_peaks"]
+    assert all(abs(p - predicted) <= tolerances.PEAK_BYTES for p in peaks), (peaks, predicted)
+
+
+def test_one_rank_gathers_are_not_prefetched():
+    """Over one rank a gather moves nothing (it returns the packed shards): each is issued right before its wait,
+    no compute between, where a prefetched one would hold its buffer through the unit before."""
+    run = model_dry_run(1, "zero3")
+    for trace in (run.forward, run.backward):
+        bsyms = trace.bound_symbols
+        for c in [i for i, b in enumerate(bsyms) if is_all_gather(b)]:
+            (w,) = [i for i, b in enumerate(bsyms) if is_wait(b) and b.args[0].name == bsyms[c].output.name]
+            between = [b.sym.name for b in bsyms[c + 1 : w] if is_compute(b) and not is_packing(b)]
+            assert not between, (c, w, between)
 
 
 def test_zero3_predicts_less_gathered_memory_than_zero2():

@@ -36,7 +36,15 @@ from thunder.core.proxies import TensorProxy
 
 from fsdp_pass.op_names import PACK_GRADS, PACK_SHARDS, UNPACK_GATHERED, UNPACK_GRAD_SHARD
 from fsdp_pass.plan.layout import ShardLayout
-from fsdp_pass.predicates import is_pack_grads, is_pack_shards, is_unpack_gathered, is_unpack_grad_shard
+from fsdp_pass.predicates import (
+    collective_group,
+    is_all_gather,
+    is_pack_grads,
+    is_pack_shards,
+    is_reduce_scatter,
+    is_unpack_gathered,
+    is_unpack_grad_shard,
+)
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,14 @@ def gathers_in_place(bsym) -> bool:
 def _pack_is_view_op(shards, dtype, device) -> bool:
     cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
     return pack_is_view(len(shards), cast=cast, moved=moved)
+
+
+def collective_returns_input(bsym) -> bool:
+    """Whether collective ``bsym`` (an all-gather or a reduce-scatter) returns its input, a view, and writes no new
+    buffer: over a group of one rank, where the gathered buffer is the packed shards and the summed part is the
+    packed gradients (nothing to gather, sum or move). The executor's code follows this rule and the memory model
+    counts by it."""
+    return (is_all_gather(bsym) or is_reduce_scatter(bsym)) and collective_group(bsym).size() == 1
 
 
 def unpack_is_view(count: int) -> bool:

@@ -12,7 +12,8 @@ every rank, and every recompile, issues the same collectives in the same order.
 3. All-gathers, in the order of their first use: gather ``k`` is issued right after the wait of gather
    ``k - prefetch`` (at the top for the first ``prefetch`` ones), i.e. while the unit before it computes;
    ``prefetch`` is the depth of the gather's unit (``Schedule.prefetch_of``; the units are read off the ops
-   feeding the gathers, ``unit_of``), 0 issues it right before its own wait.
+   feeding the gathers, ``unit_of``), 0 issues it right before its own wait; over a group of one rank every
+   gather's depth is 0 (it moves nothing, so prefetching it would only hold its buffer longer).
    If the gathered bytes issued but not used yet would exceed ``max_unused_bytes``, it is issued after
    a later wait instead (never later than the wait before its own). Exception: the leading gathers
    whose units stay gathered for the backward (``kept``; all of them under ZeRO-2) are all issued at
@@ -44,6 +45,7 @@ from thunder.executors.pythonex import clear_mutable_collection
 
 from fsdp_pass.passes.collective_groups import graph, packing_group, unpacking_group
 from fsdp_pass.predicates import (
+    collective_group,
     is_all_gather,
     is_all_reduce,
     is_bookkeeping,
@@ -84,6 +86,14 @@ def _gather_issue_keys(wait_key, sizes, depths, schedule: Schedule, leading_kept
     return keys
 
 
+def _prefetch(gather, schedule: Schedule, unit_of) -> int:
+    """The gather's prefetch depth: its unit's, or 0 over a group of one rank, where the gather moves nothing (it
+    returns the packed shards) and there is nothing to overlap: its buffer is then packed right before its use."""
+    if collective_group(gather).size() == 1:
+        return 0
+    return schedule.prefetch_of(unit_of.get(gather.output.name))
+
+
 def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = frozenset(), unit_of=None):
     """``kept``: output names of the all-gathers whose units stay gathered for the backward; ``unit_of``: output
     name of a collective -> its unit's name (for ``Schedule.prefetch_by_unit``)."""
@@ -118,7 +128,7 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
             leading_kept += 1
     wait_keys = [key[wait_group[c][0]] for c in gathers]
     sizes = [_nbytes(bsyms[c].output) for c in gathers]
-    depths = [schedule.prefetch_of(unit_of.get(bsyms[c].output.name)) for c in gathers]
+    depths = [_prefetch(bsyms[c], schedule, unit_of) for c in gathers]
     issue_key = dict(zip(gathers, _gather_issue_keys(wait_keys, sizes, depths, schedule, leading_kept)))
     # 4. reduce-scatters and all-reduces as soon as their input exists
     issue_key.update({c: (_EARLIEST, 0) for c in wait_group if c not in issue_key})

@@ -1,7 +1,8 @@
 """Measure what a real step allocates and communicates, to hold :func:`fsdp_pass.report.explain`'s predictions against.
 
 ``CollectiveBytes()``: a context that records the full buffer of every all-gather and reduce-scatter
-handed to ``torch.distributed`` while it is open (and of every all-reduce of floating-point values: HSDP's
+issued while it is open (by ``fsdp_comm``, a one-rank group's included, which call no backend, or by other code through
+``torch.distributed``) (and of every all-reduce of floating-point values: HSDP's
 gradient shards; the per-step check's integer all-reduce is not the step's data), and the bytes each rank
 sends for them (ring model, over each call's group).
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from fsdp_pass_executors import collectives as one_rank_collectives
+from fsdp_pass_executors.collectives import watching_issues
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
@@ -74,45 +75,56 @@ class CollectiveBytes:
 
 
 class _InterceptCollectives:
-    """While open, every ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` call, and every
-    ``dist.all_reduce`` of a floating-point tensor, goes through ``around(kind, out, inp, group, call)``, which
-    must return ``call()``'s result (an all-reduce's ``out`` and ``inp`` are its one tensor)."""
+    """While open, every collective goes through ``around(kind, out, inp, group, call)``, which must return
+    ``call()``'s result (an all-reduce's ``out`` and ``inp`` are its one tensor): the all-gathers, reduce-scatters
+    and all-reduces of floating-point tensors that ``fsdp_comm`` issues, seen by its one issue hook
+    (:func:`fsdp_pass_executors.collectives.watching_issues`: backend calls and one-rank collectives alike), and those
+    that other code hands to ``torch.distributed`` itself (FSDP2 and DDP in the benchmarks), seen by wrapping
+    ``dist.all_gather_into_tensor`` / ``dist.reduce_scatter_tensor`` / ``dist.all_reduce``. A collective that
+    ``fsdp_comm`` issues through ``torch.distributed`` is seen once, by the hook."""
 
     def __init__(self, around):
         self.around = around
+        self._issuing = False  # inside fsdp_comm's issue: its backend call was seen by the hook already
 
     def __enter__(self):
         self._saved = dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = (
             self._wrapped(kind, f) for kind, f in zip((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE), self._saved)
         )
-        # fsdp_comm's collectives over a group of one rank call no backend: they are seen here all the same
-        self._saved_observer = one_rank_collectives.ONE_RANK_OBSERVER
-        one_rank_collectives.ONE_RANK_OBSERVER = self._one_rank
+        self._hook = watching_issues(self._issued)
+        self._hook.__enter__()
         return self
 
-    def _one_rank(self, kind, out, inp, group, call):
-        if kind is ALL_REDUCE and not out.is_floating_point():
+    def _seen(self, kind, out, inp, group, call):
+        if kind is ALL_REDUCE and not out.is_floating_point():  # the per-step check's digest: not the step's data
             return call()
         return self.around(kind, out, inp, group, call)
+
+    def _issued(self, kind, out, inp, group, call):
+        self._issuing = True
+        try:
+            return self._seen(kind, out, inp, group, call)
+        finally:
+            self._issuing = False
 
     def _wrapped(self, kind, collective):
         signature = inspect.signature(collective)
 
         @functools.wraps(collective)  # so that a second interception reads the same signature
         def wrapper(*args, **kwargs):  # callers name the tensors (FSDP2: output=, input=) or not
+            call = functools.partial(collective, *args, **kwargs)
+            if self._issuing:
+                return call()
             bound = signature.bind(*args, **kwargs).arguments
             tensors = [bound["tensor"]] * 2 if kind is ALL_REDUCE else list(bound.values())[:2]
-            call = functools.partial(collective, *args, **kwargs)
-            if kind is ALL_REDUCE and not tensors[0].is_floating_point():
-                return call()
-            return self.around(kind, *tensors, bound.get("group"), call)
+            return self._seen(kind, *tensors, bound.get("group"), call)
 
         return wrapper
 
     def __exit__(self, *exc):
+        self._hook.__exit__(*exc)
         dist.all_gather_into_tensor, dist.reduce_scatter_tensor, dist.all_reduce = self._saved
-        one_rank_collectives.ONE_RANK_OBSERVER = self._saved_observer
 
 
 _ISSUED, _WAITED = "fsdp_measure::issued ", "fsdp_measure::waited "

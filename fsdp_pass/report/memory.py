@@ -13,7 +13,9 @@ as a *buffer*:
    (the executor keeps it alive while the collective runs); shards packed into their slice of the gathered
    buffer (``pack_shards`` when it copies) are that buffer, written whole by the pack op, which the
    all-gather fills in place; a reduce-scatter writes its shard and holds
-   the full gradient buffer it reads likewise; a wait hands on the collective's result;
+   the full gradient buffer it reads likewise; over a group of one rank an all-gather or reduce-scatter
+   returns its input, which then holds gathered parameters or gradient shards; a wait hands on the
+   collective's result;
 4. a buffer is freed after the last op that reads any name sharing it. What the forward returns (its
    output and what it saves for the backward) lives on into the backward, until the backward's last
    use of it; what the backward returns (the gradient shards) lives to the end of the step;
@@ -50,7 +52,7 @@ from fsdp_pass.op_names import (
     TORCH_ALL_REDUCE_OP,
     TORCH_REDUCE_SCATTER_OP,
 )
-from fsdp_pass.ops.flat_buffers import allocated_bytes, gathers_in_place, views_of_inputs
+from fsdp_pass.ops.flat_buffers import allocated_bytes, collective_returns_input, gathers_in_place, views_of_inputs
 from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
@@ -211,10 +213,14 @@ class _Buffers:
         if is_all_reduce(b) and b.args[4] and send.name in self.buffer_of:
             self.share(b.output.name, self.buffer_of[send.name], self.contiguous[send.name])
             return
-        if is_all_gather(b) and send.name in self.gathered_in_place:  # packed into its slice of this buffer
+        in_place = is_all_gather(b) and send.name in self.gathered_in_place  # packed into its slice of this buffer
+        if in_place or collective_returns_input(b):  # or over one rank: the result is the input
+            if send.name not in self.buffer_of:  # a view of what is not followed (a parameter's shard)
+                return
             buf = self.buffer_of[send.name]
             self.share(b.output.name, buf, True)
-            self.kind[buf], self.written_by[buf] = GATHERED, (b.sym.name, self.written_by[buf][1])
+            kind = GATHERED if is_all_gather(b) else GRAD_SHARDS  # what the buffer holds from now on
+            self.kind[buf], self.written_by[buf] = kind, (b.sym.name, self.written_by[buf][1])
             return
         self.new(b.output, i, b, GATHERED if is_all_gather(b) else GRAD_SHARDS)
         if send.name in self.buffer_of:
@@ -263,7 +269,8 @@ class _Buffers:
         elif is_all_gather(b) or is_reduce_scatter(b) or is_all_reduce(b):
             self.collective(b, i)
         elif is_wait(b):
-            self.share(b.output.name, self.buffer_of[b.args[0].name], True)
+            if b.args[0].name in self.buffer_of:  # else a one-rank gather of a shard: not followed
+                self.share(b.output.name, self.buffer_of[b.args[0].name], True)
         elif is_view_like(b):
             if len(read) == 1:  # else a view of something not followed (a parameter shard, the input batch)
                 self.view(b, read[0], i)
