@@ -87,7 +87,7 @@ SEQ = 1024  # tokens: each layer's b*h*s*s attention probabilities (16 MiB in fl
 def _saved_activations(device: str) -> int:
     """Bytes the forward of the HF Llama keeps for the backward, gathered parameters left out, lowered for ``device``."""
     model = build_model(f"hf:{HF_LLAMA}", seq=SEQ)
-    run = dry_run(model.module, model.args, 2, "zero3", kwargs=model.kwargs, device=device)
+    run = dry_run(model.module, model.args, 2, "zero3", kwargs=model.kwargs, device=device, units="blocks")
     assert run.device == device and (("sdpa" in run.executors) == (device == "cuda")), run.executors
     step = run.explanation.memory.step
     return step.saved_bytes - step.saved_gathered_bytes
@@ -212,6 +212,7 @@ def test_the_step_models_peak_agrees_with_the_traced_peak_at_each_checkpoint_lev
     (before, the probabilities were counted twice, the attention's backward working set not at all, and a unit's
     backward held all of its activations beside its largest working set)."""
     module, args = zoo.build("tiny", n_layer=2, seq=256, local_batch=1)
-    run = dry_run(module, args, 8, device="cpu", checkpoint_activations=False if level == "none" else level)
+    run = dry_run(module, args, 8, device="cpu", units="blocks",
+                  checkpoint_activations=False if level == "none" else level)
     predicted, traced = run.predict_step().peak_bytes, run.explanation.memory.peak
     assert abs(predicted / traced - 1) < 0.03, (level, predicted, traced)

@@ -52,9 +52,9 @@ def test_functional_forward_saves_what_thunder_jit_saves():
     x, _ = models.batch("mlp", 2, 0)
     prologue, trace = functional_trace(models.MLP(), x)
     with fake_process_group(4) as group:
-        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=models.MLP())
+        sharded, plan = shard_functional_trace(prologue, trace, group, "zero3", model=models.MLP(), units="blocks")
         forward, _ = derive_backward_and_lower(sharded, plan)
-        jm = thunder.jit(models.MLP(), transforms=[FSDP("zero3")], executors=executors_for("cpu"))
+        jm = thunder.jit(models.MLP(), transforms=[FSDP("zero3", units="blocks")], executors=executors_for("cpu"))
         jm(x).sum().backward()
     assert _saved_for_backward(forward) == _saved_for_backward(thunder.last_traces(jm)[-1])
 
@@ -69,7 +69,8 @@ def _canonical(trace) -> str:
 
 @pytest.mark.parametrize(
     "strategy, options",
-    [("zero3", {}), ("zero2", {"mixed_precision": torch.bfloat16, "checkpoint_activations": True})],
+    [("zero3", {"units": "blocks"}),
+     ("zero2", {"mixed_precision": torch.bfloat16, "checkpoint_activations": True, "units": "blocks"})],
     ids=["zero3", "zero2-bf16-checkpointed"],
 )
 def test_the_functional_path_writes_the_traces_the_transform_writes(strategy, options):
@@ -94,9 +95,10 @@ def test_the_functional_path_takes_a_2d_mesh_as_fsdp_does():
     prologue, trace = functional_trace(models.MLP(), x)
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        sharded, plan = shard_functional_trace(prologue, trace, mesh, "zero3", model=models.MLP())
+        sharded, plan = shard_functional_trace(prologue, trace, mesh, "zero3", model=models.MLP(), units="blocks")
         forward, backward = derive_backward_and_lower(sharded, plan)
-        jm = thunder.jit(models.MLP(), transforms=[FSDP("zero3", mesh=mesh)], executors=executors_for("cpu"))
+        jm = thunder.jit(models.MLP(), transforms=[FSDP("zero3", mesh=mesh, units="blocks")],
+                         executors=executors_for("cpu"))
         jm(x).sum().backward()
     assert plan.sharding.world_size == 2 and plan.summary.replicas == 2
     assert "all-reduce grads over the replicate group (2 ranks)" in str(backward)

@@ -41,11 +41,12 @@ from tests import explain_cases, models, rank_cases, tolerances
 FUSED = ("fsdp_comm", "torchcompile", "torch")
 WORLD = 2
 CONFIGS = {
-    "zero3": ("zero3", {}),
-    "zero2": ("zero2", {}),
+    "zero3": ("zero3", {"units": "blocks"}),
+    "zero2": ("zero2", {"units": "blocks"}),
     "zero3 bf16 offloaded checkpointed": (
         "zero3",
-        {"mixed_precision": MixedPrecision(torch.bfloat16), "offload_to": "cpu", "checkpoint_activations": True},
+        {"mixed_precision": MixedPrecision(torch.bfloat16), "offload_to": "cpu", "checkpoint_activations": True,
+         "units": "blocks"},
     ),
 }
 
@@ -129,7 +130,8 @@ def test_finite_checks_stay_labelled_beside_what_they_read_under_fusion():
     executors = [comm_ex if name == "fsdp_comm" else get_executor(name) for name in FUSED]
     with torch.device("meta"):
         model = models.MODELS["mlp"]()
-    run = dry_run(model, (models.batch("mlp", 4, 0)[0],), WORLD, "zero3", executors=executors, check_finite=True)
+    run = dry_run(model, (models.batch("mlp", 4, 0)[0],), WORLD, "zero3", executors=executors, check_finite=True,
+                 units="blocks")
     checks = checks_of(run.fsdp.compiled_step.key)
     seen, outputs_of_regions = [], 0
     for trace in (run.forward, run.backward):

@@ -36,7 +36,7 @@ def _check_parity(results, tol=TOL, params=True):
 def test_hsdp_zero3_tied_trains_like_one_process(ranks):
     """A tied GPT-2 on 2 x 2: parameters sharded over 2 ranks, each shard held twice; the gradient of every unit
     reduce-scattered in its shard group, then all-reduced over its replicate group, scheduled to overlap."""
-    results = ranks(4).run(hsdp_cases.hsdp_parity, "gpt2_tied", "zero3", (2, 2))
+    results = ranks(4).run(hsdp_cases.hsdp_parity, "gpt2_tied", "zero3", (2, 2), units="blocks")
     _check_parity(results, params=False)
     r = results[0]
     assert r["shard_size"] == 2  # each rank holds half of every parameter's rows (checked exactly above)

@@ -157,7 +157,7 @@ def test_bad_gather_options():
 def _fused_dry_run():
     executors = [comm_ex, get_executor("torchcompile"), get_executor("torch")]
     return dry_run(*explain_cases.build_model("meta"), 2, "zero3", executors=executors,
-                   mixed_precision=_precision(torch.int8), offload_to="cpu")
+                   mixed_precision=_precision(torch.int8), offload_to="cpu", units="blocks")
 
 
 def test_quantize_and_dequantize_stay_out_of_fusion_regions():
