@@ -74,18 +74,22 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps of each row per round")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--units", default=None,
+                   help="FSDP's units= (e.g. blocks); left out: the default, units the step model chooses")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     init_local_gloo(0, 1, free_port(), 60)
+    units = {} if args.units is None else {"units": args.units}
     cfg = Config(vocab=1000, d=64, n_head=4, hidden=176, n_layer=args.layers, seq=64, local_batch=2)
-    steps = {"thunder.jit": stepper([], cfg), "FSDP zero3": stepper([FSDP("zero3")], cfg)}
+    steps = {"thunder.jit": stepper([], cfg), "FSDP zero3": stepper([FSDP("zero3", **units)], cfg)}
     ms = interleaved_medians(steps, args.rounds, args.steps)
     if args.profile:
         profile_of(steps["FSDP zero3"])
     plain, ours = ms["thunder.jit"], ms["FSDP zero3"]
     print(f"{args.layers} layers, d 64, {args.threads} thread(s), median of {args.rounds} x {args.steps} steps "
-          f"(rows taking turns): thunder.jit {plain:.1f} ms, FSDP zero3 {ours:.1f} ms ({ours / plain:.2f}x)")
+          f"(rows taking turns): thunder.jit {plain:.1f} ms, FSDP zero3 {ours:.1f} ms ({ours / plain:.2f}x); "
+          f"units={args.units or 'the default (the step model)'}")
     dist.destroy_process_group()
 
 
