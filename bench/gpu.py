@@ -40,6 +40,8 @@ Systems (``--only`` picks some, comma-separated):
   ours auto       FSDP("auto"): units, resharding and prefetch planned from the device's default cost inputs
                   (h100-nvlink on CUDA), within the device's memory
   ours auto probed  the same, planned from a probe of these ranks (fsdp_pass.plan.probe, the matmul in --dtype)
+  ours zero3 int8/float8  with --recipe: the default units, parameters gathered as 8-bit codes with block scales
+                  (MixedPrecision(bfloat16, float32, gather_dtype=torch.int8 | torch.float8_e4m3fn))
 
 The Thunder rows run the executor list ``executor_choice(device)`` picks (``--fusion auto``), or
 ``--fusion torchcompile``: Thunder's torch.compile executor also on CPU, which fuses CPU tensors as it does

@@ -15,6 +15,7 @@ decoder layer, torch.utils.checkpoint without reentrance), and where the decoder
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from fsdp_pass.transform import FSDP
 LR = 1e-3
 SYSTEMS = ("eager", "compile", "fsdp2", "fsdp2+compile", "thunder", "ours zero3", "ours zero2", "ours zero3 merged",
            "ours zero2 merged", "ours zero3 default", "ours zero2 default", "ours zero3 merged 512KiB",
-           "ours zero3 merged 4MiB", "ours auto", "ours auto probed")
+           "ours zero3 merged 4MiB", "ours auto", "ours auto probed", "ours zero3 int8", "ours zero3 float8")
 MERGED_UNIT_BYTES = 1 << 20  # the "merged" rows: consecutive blocks merged into units of up to 1 MiB
 
 
@@ -117,8 +118,14 @@ def _checkpoint_layers(model, layers_of) -> None:
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in layers)
 
 
-def _ours(strategy: str, setup: Setup, **options) -> FSDP:
-    return FSDP(strategy, mixed_precision=setup.precision.ours(), checkpoint_activations=setup.checkpoint, **options)
+def _ours(strategy: str, setup: Setup, gather_dtype: torch.dtype | None = None, **options) -> FSDP:
+    mixed_precision = setup.precision.ours()
+    if gather_dtype is not None:  # the 8-bit gather rows: the recipe's casts, parameters gathered in 8 bits
+        if mixed_precision is None:
+            raise FSDPError("the 8-bit gather rows ('ours zero3 int8', 'ours zero3 float8') need --recipe: "
+                            "they quantize the bfloat16 gather of MixedPrecision")
+        mixed_precision = dataclasses.replace(mixed_precision, gather_dtype=gather_dtype)
+    return FSDP(strategy, mixed_precision=mixed_precision, checkpoint_activations=setup.checkpoint, **options)
 
 
 def build_system(name: str, model, device, executors: list, costs, setup: Setup) -> Trainer:
@@ -146,6 +153,10 @@ def build_system(name: str, model, device, executors: list, costs, setup: Setup)
         jitted = thunder.jit(model, transforms=[_ours("auto", setup, cost=cost)], executors=executors)
         return OursTrainer(jitted, costs.for_prices())
     strategy, *how = name.split()[1:]
+    if how and how[0] in ("int8", "float8"):  # the step model's default units, parameters gathered in 8 bits
+        dtype = {"int8": torch.int8, "float8": torch.float8_e4m3fn}[how[0]]
+        jitted = thunder.jit(model, transforms=[_ours(strategy, setup, gather_dtype=dtype)], executors=executors)
+        return OursTrainer(jitted, costs.for_prices())
     sizes = {"512KiB": 1 << 19, "4MiB": 1 << 22}  # the "merged" rows at other unit sizes
     units = {"merged": BySize(sizes[how[-1]] if how[1:] else MERGED_UNIT_BYTES), "default": None}.get(
         how[0], "blocks") if how else "blocks"
