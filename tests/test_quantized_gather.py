@@ -9,6 +9,7 @@ within half a code step of its block's scale. Tier 2 trains on 2 gloo ranks agai
 by the documented rule (``tests/quantized_cases.py``): losses, gradients and master weights bitwise equal.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -115,6 +116,10 @@ def test_gathers_move_at_most_055x_bf16_and_explain_counts_them(runs, name):
     text = str(ours)
     assert f"mixed precision: gather {name} (a float32 scale per 128 elements), compute bfloat16" in text
     assert "as gathered" in text
+    assert "8-bit gathers on one rank" not in text  # at world 8 they save bytes
+    alone = dataclasses.replace(ours, plan=dataclasses.replace(
+        ours.plan, sharding=dataclasses.replace(ours.plan.sharding, world_size=1)))
+    assert f"8-bit gathers on one rank: nothing is sent, so gathering in {name} saves no bytes" in str(alone)
 
 
 def test_quantize_and_dequantize():

@@ -114,6 +114,7 @@ class Explanation:
     # all parameters as gathered and as reduced (mixed precision's param_dtype and reduce_dtype; None: param_bytes)
     gathered_param_bytes: int | None = None
     reduced_param_bytes: int | None = None
+    gather_dtype: object = None  # mixed precision's 8-bit gather dtype (torch.int8, torch.float8_e4m3fn), or None
 
     def with_no_sync(self) -> Explanation:
         """This explanation with a note of what :func:`fsdp_pass.no_sync`'s accumulators would hold per rank
@@ -123,8 +124,8 @@ class Explanation:
     @property
     def notes(self) -> tuple[str, ...]:
         """One line per note that applies: no_sync's accumulators (see :attr:`no_sync`), a loss outside the model
-        (the backward receives a non-scalar output's gradient, and the model returns no scalar loss), clipping
-        (world > 1)."""
+        (the backward receives a non-scalar output's gradient, and the model returns no scalar loss), 8-bit gathers
+        on one rank (which send nothing), clipping (world > 1)."""
         notes = [self._accumulator_note()] if self.no_sync else []
         step = self.memory.step
         if step is not None and step.output_grad_bytes > _SCALAR_OUTPUTS and not step.returns_a_loss:
@@ -133,6 +134,12 @@ class Explanation:
                 "of outputs (in the peak above); a loss computed from them outside the model (cross-entropy on "
                 "the logits) allocates about two more tensors that size for its own backward, which no trace here "
                 "shows: return the loss from the model to have it traced and planned"
+            )
+        if self.gather_dtype is not None and self.world_size == 1:
+            notes.append(
+                f"8-bit gathers on one rank: nothing is sent, so gathering in {str(self.gather_dtype).removeprefix('torch.')} "
+                "saves no bytes and costs the quantize and dequantize kernels and their rounding (on an H200, "
+                "BENCHMARKS.md: 1.33x the step); leave MixedPrecision's gather_dtype out where the shards' group is one rank"
             )
         if self.world_size > 1:
             notes.append(
@@ -510,6 +517,7 @@ def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision
         step is not None and _made_under_no_sync(step),
         sum(map(precision.gathered_nbytes, owners)),  # quantized (gather_dtype): codes and scales
         nbytes(reduce_dtype, [p for p in owners if p.requires_grad]),
+        precision.gather_dtype,
     )
 
 
