@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 
 from fsdp_pass import FSDP, FSDPError
-from fsdp_pass.plan.auto_plan import block_starts
 from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.plan.default_units import StepModelUnits, choose_units
 from fsdp_pass.plan.step_model import Candidate, predict
 from fsdp_pass.plan.unit_policies import Blocks
+from fsdp_pass.plan.unit_search import block_starts
 from tests.dry_runs import model_dry_run
 
 CPU = DEFAULTS["cpu-gloo"]

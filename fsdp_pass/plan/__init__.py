@@ -12,7 +12,10 @@
   :mod:`fsdp_pass.plan.probe` measures) and the device's compute rate;
 - ``FSDP("auto")``: :mod:`~fsdp_pass.plan.step_summary` (the trace cut into pieces: bytes, FLOPs,
   activations), :mod:`~fsdp_pass.plan.step_model` (a candidate plan's predicted step time and peak),
-  :mod:`~fsdp_pass.plan.auto_plan` (the search, and a reason per decision), :mod:`~fsdp_pass.plan.auto_options`
-  (the plan as the options the other stages read); :mod:`~fsdp_pass.plan.price_plan` (the step model on any
-  compiled plan, hand-written ones too: ``fsdp_pass.predict_step``).
+  :mod:`~fsdp_pass.plan.auto_plan` (the search, and a reason per decision: the units by
+  :mod:`~fsdp_pass.plan.unit_search`, which the default units of :mod:`~fsdp_pass.plan.default_units` use too,
+  the rest by :mod:`~fsdp_pass.plan.per_unit_decisions`, worded by :mod:`~fsdp_pass.plan.auto_plan_text`),
+  :mod:`~fsdp_pass.plan.auto_options` (the plan as the options the other stages read);
+  :mod:`~fsdp_pass.plan.price_plan` (the step model on any compiled plan, hand-written ones too:
+  ``fsdp_pass.predict_step``).
 """

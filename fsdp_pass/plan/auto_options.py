@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.plan.auto_plan import AutoPlan, plan_step
+from fsdp_pass.plan.auto_plan import plan_step
+from fsdp_pass.plan.auto_plan_text import AutoPlan
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.fused_saves import fuses_elementwise
 from fsdp_pass.plan.options import AutoSettings, FSDPOptions

@@ -13,8 +13,8 @@ ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md
    checkpointing and offload stay what the user asked, and the step model prices each set of units with them.
    From one unit per block, greedily, each step takes the merge of two neighbouring units or the split of a
    unit at one of its pieces that shortens the predicted step most (fitting the budget first), until none
-   does; moves that together shorten it by less than 2 % are given up for one unit per block (the auto
-   planner's rule: the model cannot promise so little, :mod:`fsdp_pass.plan.auto_plan`).
+   does; moves that together shorten it by less than 2 % are given up for one unit per block (the model
+   cannot promise so little). The search is the auto planner's: :mod:`fsdp_pass.plan.unit_search`.
 3. Plans the step model cannot price keep one unit per block, with the reason: a schedule that is not a
    prefetch depth (``schedule=None``, ``max_unused_bytes``, ``prefetch_by_unit``), a
    ``reshard_after_forward`` or ``checkpoint_activations`` that is a function of the unit (it reads names the
@@ -33,17 +33,14 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-from fsdp_pass.plan.auto_plan import block_starts, unit_names
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Candidate, Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
+from fsdp_pass.plan.unit_search import NO_MOVE, Priced, greedy_units, unit_names
 from fsdp_pass.report.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
-
-_BETTER = 1e-3  # a move must shorten the predicted step by this fraction to be taken (auto_plan's)
-_WORTH = 0.02  # all the moves together must shorten it by this fraction to leave one unit per block (auto_plan's)
 
 
 class StepModelUnits:
@@ -118,14 +115,6 @@ class UnitsChoice:
         return "\n".join(lines)
 
 
-def _fits(pred: Prediction, budget: int | None) -> bool:
-    return budget is None or pred.peak_bytes <= budget
-
-
-def _rank(pred: Prediction, budget: int | None) -> tuple:
-    return (0, pred.step_s) if _fits(pred, budget) else (1, pred.peak_bytes)
-
-
 def _why_not_priced(options) -> str | None:
     """Why the step model cannot price the user's options with other units (None: it can)."""
     from fsdp_pass.plan.options import constant_checkpoint_level
@@ -158,59 +147,30 @@ def _candidate(starts: tuple[int, ...], options) -> Candidate:
                      (level,) * k if level != "none" else ())
 
 
-def _moves(summary: StepSummary, starts: tuple[int, ...]):
-    """(description, new starts) of every merge of two neighbours and every split of a unit at a piece."""
-    n = len(summary.pieces)
-    names = unit_names(summary, starts)
-    for u in range(1, len(starts)):
-        yield f"{names[u - 1]} and {names[u]} merged", starts[:u] + starts[u + 1:]
-    for u, (a, b) in enumerate(zip(starts, (*starts[1:], n))):
-        for cut in range(a + 1, b):
-            yield f"{names[u]} split before {summary.pieces[cut].name}", tuple(sorted((*starts, cut)))
-
-
 def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None) -> UnitsChoice:
     """The units with the fastest predicted step (fitting ``budget`` first) for the user's other ``options``
     (module docstring, items 2-3)."""
     blocked = _why_not_priced(options) if summary.pieces else "the step reads no parameters"
     if blocked:
         return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",))
-    start = block_starts(summary)
-    now, now_pred = start, predict(summary, _candidate(start, options), cost)
-    blocks_pred, taken = now_pred, []
-    for _ in range(4 * len(summary.pieces)):
-        best = None
-        for what, starts in _moves(summary, now):
-            pred = predict(summary, _candidate(starts, options), cost)
-            if best is None or _rank(pred, budget) < _rank(best[2], budget):
-                best = (what, starts, pred)
-        if best is None or not _better(best[2], now_pred, budget):
-            break
-        taken.append(f"{best[0]}: predicted step {ms(now_pred.step_s)} -> {ms(best[2].step_s)}")
-        now, now_pred = best[1], best[2]
-    worth = now_pred.step_s <= blocks_pred.step_s * (1 - _WORTH) or not _fits(blocks_pred, budget)
-    if taken and not worth:
-        reasons = (f"kept one unit per block: the best merges and splits found ({len(taken)}) predict "
-                   f"{ms(blocks_pred.step_s)} -> {ms(now_pred.step_s)}, less than {_WORTH:.0%} faster: within the "
-                   "model's error",)
-        now, now_pred = start, blocks_pred
-    elif not taken:
-        reasons = ("kept one unit per block: no merge or split shortens the predicted step",)
+
+    def price(starts: tuple[int, ...]) -> Priced:
+        candidate = _candidate(starts, options)
+        return Priced(candidate, predict(summary, candidate, cost), tuple(unit_names(summary, starts)))
+
+    search = greedy_units(summary, price, budget)
+    if search.within_error:
+        reasons = (f"kept one unit per block: {search.within_error_text()}",)
+    elif not search.taken:
+        reasons = (f"kept one unit per block: {NO_MOVE}",)
     else:
         reasons = ("why, move by move (from one unit per block; each the move that shortened the predicted step "
-                   "most):", *(f"  {t}" for t in taken))
-    names = tuple(unit_names(summary, now))
-    spans = Candidate(now, ()).spans(len(summary.pieces))
-    groups = tuple((nm, tuple(p for i in s for p in summary.pieces[i].params)) for nm, s in zip(names, spans))
-    return UnitsChoice(names, groups, cost, budget, reasons, now_pred, blocks_pred)
-
-
-def _better(new: Prediction, old: Prediction, budget: int | None) -> bool:
-    if _fits(new, budget) != _fits(old, budget):
-        return _fits(new, budget)
-    if not _fits(new, budget):
-        return new.peak_bytes < old.peak_bytes
-    return new.step_s < old.step_s * (1 - _BETTER)
+                   "most):", *(f"  {t.move}: predicted step {ms(t.before.prediction.step_s)} -> "
+                               f"{ms(t.after.prediction.step_s)}" for t in search.taken))
+    chosen = search.chosen
+    spans = chosen.candidate.spans(len(summary.pieces))
+    groups = tuple((nm, tuple(p for i in s for p in summary.pieces[i].params)) for nm, s in zip(chosen.names, spans))
+    return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction)
 
 
 def options_with_chosen_units(summary: StepSummary, model, options):
