@@ -6,11 +6,15 @@
     python -m fsdp_pass explain --world-size 64 --model llama2-7b --memory-budget 20GiB  # the auto plan
     python -m fsdp_pass explain --world-size 64 --model llama2-7b --cost h100-nvlink  # a plan's predicted step
     python -m fsdp_pass explain --world-size 8 --model llama2-7b --layers 4 --device cpu  # lowered as on the CPU
+    python -m fsdp_pass explain --world-size 64 --model llama2-7b --units blocks  # one unit per block
     python -m fsdp_pass probe --local-ranks 2    # a collective's latency and bandwidth, a matmul's rate
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
-peak memory per rank, and writes the forward and backward traces to ``--out``. ``--model`` takes what
-:mod:`fsdp_pass.models.spec` builds: a built-in config, a Hugging Face config, or a factory of your own.
+peak memory per rank, and writes the forward and backward traces to ``--out``. Without ``--units`` the step
+model chooses the units, as ``FSDP(...)`` does with ``units=`` left out (:mod:`fsdp_pass.plan.default_units`),
+from the cost inputs of ``--cost`` (default ``h100-nvlink``, as for the auto plan); ``--units blocks`` gives one
+unit per block. ``--model`` takes what :mod:`fsdp_pass.models.spec` builds: a built-in config, a Hugging Face
+config, or a factory of your own.
 """
 
 from __future__ import annotations
@@ -74,8 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, help="auto plan: bytes per rank, e.g. 20GiB")
     p.add_argument(
         "--cost", choices=sorted(DEFAULTS), default=None,
-        help="cost inputs: the auto plan's (default h100-nvlink); with --strategy zero2/zero3, also print the step "
-        "time and peak the planner's step model predicts for the plan",
+        help="cost inputs: the auto plan's and, without --units, the step model's that chooses the units (default "
+        "h100-nvlink); with --strategy zero2/zero3, also print the step time and peak the planner's step model "
+        "predicts for the plan",
     )
     p.add_argument(
         "--device", choices=DEVICES, default=None,
@@ -87,7 +92,11 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="a built-in config, hf:<config.json or folder>, or package.module:factory (see below)",
     )
-    p.add_argument("--units", default="blocks", help="'blocks', 'per_parameter', or 'size:<MiB>' (BySize)")
+    p.add_argument(
+        "--units", default=None,
+        help="left out: FSDP's default, the units the step model chooses (with the cost inputs of --cost, default "
+        "h100-nvlink); 'blocks' (one unit per block, the default before), 'per_parameter', or 'size:<MiB>' (BySize)",
+    )
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (-1: Thunder's order)")
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATES),
                    help="its state in the memory prediction; the auto plan prices its step too")
@@ -132,6 +141,8 @@ def explain_command(ns) -> int:
     strategy = ns.strategy or ("auto" if ns.memory_budget else "zero3")
     if strategy == "auto":
         chosen = {"memory_budget": ns.memory_budget, "cost": ns.cost or "h100-nvlink"}  # dry_run passes optimizer
+    elif ns.units is None:  # FSDP's default (units= left out): the step model chooses them, as the auto plan would
+        chosen = {"schedule": schedule, "cost": ns.cost or "h100-nvlink"}
     else:
         chosen = {"units": _units(ns.units), "schedule": schedule}
         if ns.memory_budget:

@@ -18,6 +18,7 @@ mixed_precision=...)`` with the same setting.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import thunder
 import torch
@@ -36,7 +37,7 @@ from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision, resolve_mixed_precision, traced_dtype
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
-from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
+from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
@@ -117,8 +118,10 @@ def shard_functional_trace(
     "shard")`` for HSDP, as ``FSDP(mesh=...)`` takes it (made under ``fake_process_group(replicas * shard_size)``
     with ``init_device_mesh("cpu", (replicas, shard_size), mesh_dim_names=("replicate", "shard"))``).
     ``model`` (the module the trace came from) lets the unit policy see the module tree; without it
-    every parameter hangs off the root. ``options``: the other options of ``FSDP(...)`` that act before
-    autodiff (``mixed_precision``, ``checkpoint_activations``).
+    every parameter hangs off the root. ``options``: the other options of ``FSDP(...)`` that shape the traces
+    (``mixed_precision``, ``checkpoint_activations``, ``schedule``, ``memory_budget`` and ``cost`` under
+    ``"auto"``). The plan keeps the options it was made with (``plan.options``: under ``"auto"`` the auto
+    plan's units, resharding and prefetch depths), and :func:`derive_backward_and_lower` schedules with them.
     """
     check(
         dist.is_initialized(),
@@ -140,15 +143,22 @@ def shard_functional_trace(
     groups = resolve_groups(mesh=group) if isinstance(group, DeviceMesh) else RankGroups(group)
     sharding = sharding_of_trace(prologue, computation, groups.shard, fsdp.strategy, stored)
     sharded = ShardedModel(sharding, groups, tree)
-    _, computation, plan, _ = rewrite_forward(prologue, computation, sharded, fsdp)
-    return computation, plan
+    _, computation, plan, planned = rewrite_forward(prologue, computation, sharded, fsdp)
+    # the options the plan was made with (the auto plan's under "auto"): the lowering's stages read them, as the
+    # transform's do from its CompiledStep
+    return computation, replace(plan, options=planned)
 
 
-def derive_backward_and_lower(
-    trace, plan: UnitPlan, executors=None, schedule: Schedule | None = DEFAULT_SCHEDULE
-):
+PLANNED = "planned"  # derive_backward_and_lower's schedule: the one the plan was made with
+
+
+def derive_backward_and_lower(trace, plan: UnitPlan, executors=None, schedule: Schedule | int | None | str = PLANNED):
     """Thunder's autodiff and lowering, as thunder.jit runs them, then stages 5-7 of the pipeline (the
-    scheduling pass unless ``schedule`` is None, the lifetime check, the labels): (forward, backward)."""
+    scheduling pass unless the schedule is None, the lifetime check, the labels): (forward, backward).
+
+    ``schedule``: left out, the one ``shard_functional_trace`` made the plan with (its ``schedule=``, the
+    default's, or under ``"auto"`` the auto plan's prefetch depths), as ``FSDP(...)`` schedules its step; else
+    a :class:`~fsdp_pass.plan.schedule.Schedule`, a prefetch depth, or None (Thunder's order) instead."""
     executors = executors if executors is not None else executors_for("cpu")
     # Thunder's passes read the executor list from the compile data in scope: give them one
     compile_data = thunder.compile_data(thunder.jit(lambda: None, executors=executors))
@@ -159,7 +169,10 @@ def derive_backward_and_lower(
         forward, backward = split_into_forward_and_backward(lowered)
     forward, backward = del_last_used(forward), del_last_used(backward, clear_mutable_collections=True)
     # one process: there are no other ranks to compare collectives with
-    fsdp = FSDPOptions(strategy=plan.sharding.strategy, schedule=schedule, verify_ranks=False)
+    fsdp = plan.options if plan.options is not None else FSDPOptions(strategy=plan.sharding.strategy)
+    if not (isinstance(schedule, str) and schedule == PLANNED):
+        fsdp = replace(fsdp, schedule=resolve_schedule(schedule))
+    fsdp = replace(fsdp, verify_ranks=False)
     forward, _ = finish_lowered(forward, "forward", plan, fsdp)
     backward, _ = finish_lowered(backward, "backward", plan, fsdp)
     return forward, backward

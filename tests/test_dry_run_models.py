@@ -48,7 +48,7 @@ def llama_parameters(config: dict) -> int:
 def test_cli_dry_run_of_a_hugging_face_llama_config(tmp_path, capsys):
     pytest.importorskip("transformers")
     argv = ["explain", "--world-size", "8", "--model", f"hf:{HF_LLAMA}", "--seq", "8", "--out", str(tmp_path),
-            "--param-dtype", "bfloat16", "--device", "cpu"]
+            "--param-dtype", "bfloat16", "--device", "cpu", "--units", "blocks"]
     assert main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     config = json.loads((HF_LLAMA / "config.json").read_text())

@@ -212,7 +212,8 @@ def test_every_inserted_op_is_labelled_in_the_printed_traces():
 
 def test_cli_dry_run_of_a_7b_shaped_model_at_world_64(tmp_path, capsys):
     """Llama-2-7B's widths (2 of its 32 layers, to keep the suite fast; the full model compiles in ~90 s)."""
-    argv = ["explain", "--world-size", "64", "--strategy", "zero3", "--model", "llama2-7b", "--layers", "2"]
+    argv = ["explain", "--world-size", "64", "--strategy", "zero3", "--model", "llama2-7b", "--layers", "2",
+            "--units", "blocks"]
     assert main([*argv, "--seq", "256", "--no-sync", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     c = zoo.CONFIGS["llama2-7b"]
@@ -228,6 +229,30 @@ def test_cli_dry_run_of_a_7b_shaped_model_at_world_64(tmp_path, capsys):
     assert (tmp_path / "explain.txt").read_text().startswith("FSDP explain")
     # one layer of Llama-2-7B: 202,383,360 parameters, each rank keeps 1/64 (rows padded to a multiple of 64)
     assert "202,383,360" in out
+
+
+class _Compiled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("units", [None, "blocks"])
+def test_the_cli_units_left_out_are_fsdps_default(units, monkeypatch):
+    """Without --units the dry run's FSDP is made as FSDP(...) with units= left out: the step model chooses the units
+    (with the cost inputs of --cost, h100-nvlink by default, as for the auto plan); --units blocks: one per block."""
+    made = []
+
+    def made_fsdp(module, args, world_size, strategy, kwargs=None, optimizer=None, device=None, mesh=None, **options):
+        made.append(FSDP(strategy, device="meta", **options).options)
+        raise _Compiled
+
+    monkeypatch.setattr("fsdp_pass.__main__.dry_run", made_fsdp)
+    argv = ["explain", "--world-size", "8", "--model", "tiny", "--strategy", "zero3"]
+    with pytest.raises(_Compiled):
+        main(argv + ([] if units is None else ["--units", units]))
+    (options,) = made
+    library = FSDP("zero3", cost="h100-nvlink").options if units is None else FSDP("zero3", units=units).options
+    assert type(options.unit_policy) is type(library.unit_policy)
+    assert getattr(options.unit_policy, "cost", None) == getattr(library.unit_policy, "cost", None)
 
 
 def test_cli_reports_bad_input(capsys):

@@ -1,16 +1,21 @@
 """The step-by-step path the notebooks use: one process, fake group, any world size."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import thunder
 import torch
+from torch import nn
 from fsdp_pass_executors import executors_for
 
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_pass import FSDP, fake_process_group
 from fsdp_pass.functional import derive_backward_and_lower, functional_trace, shard_functional_trace
+from fsdp_pass.pipeline import reschedule
+from fsdp_pass.plan.cost_model import DEFAULTS, LinkCost
+from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE
 from tests import models
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
 
@@ -61,9 +66,11 @@ def test_functional_forward_saves_what_thunder_jit_saves():
 
 def _canonical(trace) -> str:
     """The printed trace with proxy numbers (t12, ft13) and context-object numbers (ProcessGroup_2) replaced by
-    their order of first appearance: two compiles number their proxies from different counters."""
+    their order of first appearance: two compiles number their proxies from different counters; long lines joined
+    (where Thunder wraps them depends on the numbers' lengths)."""
     seen: dict[str, str] = {}
-    text = re.sub(r"\b(f?t)\d+\b", lambda m: seen.setdefault(m.group(0), f"{m.group(1)}#{len(seen)}"), str(trace))
+    text = re.sub(r" *\\\n\s*", " ", str(trace))
+    text = re.sub(r"\b(f?t)\d+\b", lambda m: seen.setdefault(m.group(0), f"{m.group(1)}#{len(seen)}"), text)
     return re.sub(r"\b(_[A-Za-z][A-Za-z0-9_]*?)_\d+\b", r"\1", text)
 
 
@@ -86,6 +93,50 @@ def test_the_functional_path_writes_the_traces_the_transform_writes(strategy, op
     assert _canonical(forward) == _canonical(thunder.last_traces(jm)[-1])
     assert _canonical(backward) == _canonical(thunder.last_backward_traces(jm)[-1])
     assert [u.name for u in plan.units] == [u.name for u in jm._lc_transforms[0].unit_plan.units]
+
+
+class _MLPLanguageModel(nn.Module):
+    """A Llama without attention, quick to trace: embedding, one block (norm, MLP), norm, head."""
+
+    def __init__(self, vocab=37, d=16, hidden=24):
+        super().__init__()
+        self.embed, self.norm, self.lm_head = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, d))])
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.lm_head(self.norm(x))
+
+
+# a GPU whose gathers take long against this model's compute (no latency, 10 MB/s, 1 GFLOP/s): within a budget of a
+# few of its units' bytes, the auto plan gives units prefetch depths other than the default's one
+_SLOW_LINK = replace(DEFAULTS["h100-nvlink"], link=LinkCost(0.0, 1e7), flops_per_s=1e9, op_s=0.0)
+
+
+def test_the_functional_path_schedules_with_the_auto_plans_prefetch_depths_as_fsdp_does():
+    """FSDP("auto") schedules its step with the plan's prefetch depths (options_from_auto_plan); so does the
+    functional path, with the options shard_functional_trace made the plan with: the same final traces."""
+    x, _ = models.batch("llama_gqa", 2, 0)
+    auto = dict(cost=_SLOW_LINK, memory_budget="28KiB")
+    prologue, trace = functional_trace(_MLPLanguageModel(), x)
+    with fake_process_group(4) as group:
+        sharded, plan = shard_functional_trace(prologue, trace, group, "auto", model=_MLPLanguageModel(), **auto)
+        forward, backward = derive_backward_and_lower(sharded, plan)
+        fsdp = FSDP("auto", **auto)
+        jm = thunder.jit(_MLPLanguageModel(), transforms=[fsdp], executors=executors_for("cpu"))
+        jm(x).sum().backward()
+    schedule = plan.options.schedule
+    assert schedule == replace(DEFAULT_SCHEDULE, prefetch=plan.auto.candidate.prefetch,
+                               prefetch_by_unit=plan.auto.prefetch_by_unit)
+    assert schedule != DEFAULT_SCHEDULE, "this budget no longer makes the auto plan prefetch other than the default"
+    assert [u.name for u in plan.units] == [u.name for u in fsdp.unit_plan.units]
+    assert _canonical(forward) == _canonical(thunder.last_traces(jm)[-1])
+    assert _canonical(backward) == _canonical(thunder.last_backward_traces(jm)[-1])
+    # the plan's depths change the step: the default schedule writes other traces
+    default = reschedule(fsdp.compiled_step, DEFAULT_SCHEDULE)
+    assert (_canonical(default.forward), _canonical(default.backward)) != (_canonical(forward), _canonical(backward))
 
 
 def test_the_functional_path_takes_a_2d_mesh_as_fsdp_does():
