@@ -208,12 +208,12 @@ def test_factories_return_positional_and_keyword_inputs():
 def test_the_step_models_peak_agrees_with_the_traced_peak_at_each_checkpoint_level(level):
     """The step model's peak (the planner's, from the functional trace's summary) against the dry run's traced peak
     (every buffer of the final traces followed) of a 2-layer zoo Llama at 256 tokens lowered for the CPU, whose
-    decomposed attention keeps b*h*s*s probabilities: within 3 % with every layer kept whole, selective or full
+    decomposed attention keeps b*h*s*s probabilities: within 3 % with every layer kept whole or selective
     (before, the probabilities were counted twice, the attention's backward working set not at all, and a unit's
     backward held all of its activations beside its largest working set). Full checkpointing within 3 % below and
     4 % above: its units keep what the traces keep (the residual sums and the next norm's input the ops after their
-    last matmul make, which the model once left out: 96 KiB here), and the model's backward working set
-    is 3.1 % over the traces there (the safe side)."""
+    last matmul make, which the model once left out: 96 KiB here), and its peak then comes out 3.1 % above the
+    traces' (the backward's working set: the safe side)."""
     module, args = zoo.build("tiny", n_layer=2, seq=256, local_batch=1)
     run = dry_run(module, args, 8, device="cpu", units="blocks",
                   checkpoint_activations=False if level == "none" else level)
@@ -242,10 +242,10 @@ def _traced_kept_per_unit(forward) -> dict[str, int]:
 def test_the_step_model_keeps_per_layer_what_the_fused_cuda_lowering_keeps():
     """Per decoder layer, the bytes the step model counts as kept for the backward (its pieces' activations) against
     what the dry run's CUDA lowering keeps (torchcompile's regions and the fused attention, rematerialized by
-    Thunder), on the zoo's Llama with rotary embeddings, units='blocks'. Equal but for the fused kernel's log-sum-exp,
-    which the model leaves out (b*h*s*4 bytes, 0.6 % here); the embedding's unit equal. Before, the model kept the projections
-    added to the residual and let the next norm recompute its input from them across the block boundary: 10 % less
-    than the traces, and the 7B's auto plan at 20 GiB did not fit its traced peak."""
+    Thunder), on the zoo's Llama with rotary embeddings, units='blocks'. Equal but for the fused kernel's
+    log-sum-exp, which the model leaves out (b*h*s*4 bytes, 0.6 % here); the embedding's unit equal. Before, the
+    model kept the projections added to the residual and let the next norm recompute its input from them across
+    the block boundary: 10 % less than the traces, and the 7B's auto plan at 20 GiB did not fit its traced peak."""
     module, args = zoo.build("tiny", n_layer=2, seq=64, rope_theta=10000.0)
     run = dry_run(module, args, 8, device="cuda", units="blocks")
     traced = _traced_kept_per_unit(run.forward)

@@ -20,8 +20,12 @@ Read off the functional forward trace, before any rewriting:
    differentiates through (a tanh GELU's, a layer norm's, an attention's scores where no executor runs it as
    one kernel with a backward of its own: torch's SDPA on CUDA keeps a log-sum-exp per row, left out).
    ``matmul_activation_bytes`` the part that matmuls and attentions make (what selective checkpointing keeps),
-   ``read_later`` the results that later pieces read (what a checkpointed unit keeps). On a fusion executor
-   (the CUDA lowering) the elementwise chains keep their inputs instead (:mod:`~fsdp_pass.plan.fused_saves`).
+   ``read_later`` the results that later pieces read, and the kept ones that the ops after the piece's last
+   parameter read make or read (a residual add after the last matmul, the next norm's reduction: outside what a
+   checkpointed unit recomputes), which a checkpointed unit keeps. On a fusion executor (the CUDA lowering) the
+   elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.plan.fused_saves`), and
+   selective checkpointing keeps what none keeps (the fused kernels recompute the ops between the matmuls in
+   both: the dry run's traces of the zoo's Llama keep the same bytes per layer at both levels).
    ``scores_bytes``: an attention computed op by op, its scores (its backward makes two gradients as large).
    The dry run's traced peak (``explain()``) is the check.
 
@@ -258,7 +262,8 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
         if is_attention(bsym) and not fused_attention(bsym):
             t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
         saved = _kept_by(bsym, fused_attention, needs_grad)
-        for name in [base.get(args[i].name, args[i].name) for i in saved.inputs] + [outs[j].name for j in saved.outputs]:
+        keeps = [base.get(args[i].name, args[i].name) for i in saved.inputs] + [outs[j].name for j in saved.outputs]
+        for name in keeps:
             kept.add(name)
             kept_in.setdefault(name, set()).add(current)
         fused_away = fuses and is_elementwise(bsym)
