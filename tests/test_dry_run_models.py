@@ -208,11 +208,53 @@ def test_factories_return_positional_and_keyword_inputs():
 def test_the_step_models_peak_agrees_with_the_traced_peak_at_each_checkpoint_level(level):
     """The step model's peak (the planner's, from the functional trace's summary) against the dry run's traced peak
     (every buffer of the final traces followed) of a 2-layer zoo Llama at 256 tokens lowered for the CPU, whose
-    decomposed attention keeps b*h*s*s probabilities: within 3 % with every layer kept whole, selective or full
+    decomposed attention keeps b*h*s*s probabilities: within 3 % with every layer kept whole or selective
     (before, the probabilities were counted twice, the attention's backward working set not at all, and a unit's
-    backward held all of its activations beside its largest working set)."""
+    backward held all of its activations beside its largest working set). Full checkpointing within 3 % below and
+    4 % above: its units keep what the traces keep (the residual sums and the next norm's input the ops after their
+    last matmul make, which the model once left out: 96 KiB here), and its peak then comes out 3.1 % above the
+    traces' (the backward's working set: the safe side)."""
     module, args = zoo.build("tiny", n_layer=2, seq=256, local_batch=1)
     run = dry_run(module, args, 8, device="cpu", units="blocks",
                   checkpoint_activations=False if level == "none" else level)
     predicted, traced = run.predict_step().peak_bytes, run.explanation.memory.peak
-    assert abs(predicted / traced - 1) < 0.03, (level, predicted, traced)
+    assert -0.03 < predicted / traced - 1 < (0.04 if level == "full" else 0.03), (level, predicted, traced)
+
+
+def _traced_kept_per_unit(forward) -> dict[str, int]:
+    """Per unit, the bytes of the floating-point results the final forward trace keeps for the backward that its ops
+    made after that unit's parameters were unpacked (gathered parameters and the step's inputs left out)."""
+    from fsdp_pass.predicates import is_float_tensor, is_unpack_gathered, unit_of_op
+    from tests.trace_facts import saved_for_backward_names
+
+    saved, unit, out = set(saved_for_backward_names(forward)), None, {}
+    for bsym in forward.bound_symbols:
+        if is_unpack_gathered(bsym):
+            unit = unit_of_op(bsym)
+            continue
+        for o in bsym.flat_proxy_outs:
+            if o.name in saved and is_float_tensor(o) and unit is not None:
+                saved.discard(o.name)
+                out[unit] = out.get(unit, 0) + int(o.numel) * o.dtype.bytes
+    return out
+
+
+def test_the_step_model_keeps_per_layer_what_the_fused_cuda_lowering_keeps():
+    """Per decoder layer, the bytes the step model counts as kept for the backward (its pieces' activations) against
+    what the dry run's CUDA lowering keeps (torchcompile's regions and the fused attention, rematerialized by
+    Thunder), on the zoo's Llama with rotary embeddings, units='blocks'. Equal but for the fused kernel's
+    log-sum-exp, which the model leaves out (b*h*s*4 bytes, 0.6 % here); the embedding's unit equal. Before, the
+    model kept the projections added to the residual and let the next norm recompute its input from them across
+    the block boundary: 10 % less than the traces, and the 7B's auto plan at 20 GiB did not fit its traced peak."""
+    module, args = zoo.build("tiny", n_layer=2, seq=64, rope_theta=10000.0)
+    run = dry_run(module, args, 8, device="cuda", units="blocks")
+    traced = _traced_kept_per_unit(run.forward)
+    modelled: dict[str, int] = {}
+    for p in run.fsdp.compiled_step.plan.summary.pieces:
+        modelled[p.block] = modelled.get(p.block, 0) + p.activation_bytes
+    cfg = zoo.CONFIGS["tiny"]
+    lse = cfg.local_batch * cfg.n_head * 64 * 4  # float32, rows of 64 tokens (a multiple of the kernel's 32)
+    layers = ["model.layers.0", "model.layers.1"]
+    assert all(traced[u] == modelled[u] + lse for u in layers), [(u, traced[u], modelled[u]) for u in layers]
+    # the embedding's unit: its output, the first norm's normalized input and the rotary tables every layer reads
+    assert traced["model.embed"] == modelled["model.embed"], (traced["model.embed"], modelled["model.embed"])

@@ -20,8 +20,12 @@ Read off the functional forward trace, before any rewriting:
    differentiates through (a tanh GELU's, a layer norm's, an attention's scores where no executor runs it as
    one kernel with a backward of its own: torch's SDPA on CUDA keeps a log-sum-exp per row, left out).
    ``matmul_activation_bytes`` the part that matmuls and attentions make (what selective checkpointing keeps),
-   ``read_later`` the results that later pieces read (what a checkpointed unit keeps). On a fusion executor
-   (the CUDA lowering) the elementwise chains keep their inputs instead (:mod:`~fsdp_pass.plan.fused_saves`).
+   ``read_later`` the results that later pieces read, and the kept ones that the ops after the piece's last
+   parameter read make or read (a residual add after the last matmul, the next norm's reduction: outside what a
+   checkpointed unit recomputes), which a checkpointed unit keeps. On a fusion executor (the CUDA lowering) the
+   elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.plan.fused_saves`), and
+   selective checkpointing keeps what none keeps (the fused kernels recompute the ops between the matmuls in
+   both: the dry run's traces of the zoo's Llama keep the same bytes per layer at both levels).
    ``scores_bytes``: an attention computed op by op, its scores (its backward makes two gradients as large).
    The dry run's traced peak (``explain()``) is the check.
 
@@ -191,7 +195,7 @@ class _Tally:
 
 
 def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False,
-                  outputs: frozenset[str] = frozenset(), fuses: bool = False) -> _Tally:
+                  outputs: frozenset[str] = frozenset(), fuses: bool = False, region_of=None) -> _Tally:
     """FLOPs, op counts, elementwise bytes moved, largest results (``outputs``, the names the forward returns,
     left out), kept bytes (all, and those matmuls make; ``fuses``: as a fusion executor keeps them,
     :mod:`~fsdp_pass.plan.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
@@ -205,6 +209,7 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
     base: dict[str, str] = {}  # a view's name -> the result it views
     proxy: dict[str, TensorProxy] = {}
     kept: set[str] = set()
+    kept_in: dict[str, set[int]] = {}  # a kept result -> the pieces whose ops keep it
     last_read: dict[str, int] = {}
     differentiated: set[str] = set()  # the results that depend on a parameter (the trace marks parameters only)
     elementwise_inputs: dict[str, tuple[str, ...]] = {}  # under fusion: an elementwise op's result -> what it read
@@ -212,13 +217,25 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
     def needs_grad(p) -> bool:
         return bool(p.requires_grad) or p.name in differentiated
 
+    ops = [b for b in computation.bound_symbols if not (is_return(b) or is_bookkeeping(b))]
+    last_param_read: dict[int, int] = {}  # a piece -> the last op that reads one of its parameters
+    for k, bsym in enumerate(ops):
+        for p in bsym.flat_proxy_args:
+            if p.name in piece_of_arg:
+                last_param_read[piece_of_arg[p.name]] = k
+    # a result that an op after its piece's last parameter read makes or reads (the residual add after a block's
+    # last matmul, the next norm's reduction): outside the region a checkpointed unit ending there recomputes
+    # (passes.checkpoint_units), so kept by it as by an op of a later piece: the piece after the reader's
+    trailing: dict[str, int] = {}
     current = 0
-    for bsym in computation.bound_symbols:
-        if is_return(bsym) or is_bookkeeping(bsym):
-            continue
+    for k, bsym in enumerate(ops):
         read = [piece_of_arg[p.name] for p in bsym.flat_proxy_args if p.name in piece_of_arg]
         if read:
             current = max(read)
+        if k > last_param_read.get(current, k):
+            for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
+                if isinstance(p, TensorProxy):
+                    trailing[base.get(p.name, p.name)] = current + 1
         args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
         for p in args:
             name = base.get(p.name, p.name)
@@ -245,8 +262,10 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
         if is_attention(bsym) and not fused_attention(bsym):
             t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
         saved = _kept_by(bsym, fused_attention, needs_grad)
-        kept.update(base.get(args[i].name, args[i].name) for i in saved.inputs)
-        kept.update(outs[j].name for j in saved.outputs)
+        keeps = [base.get(args[i].name, args[i].name) for i in saved.inputs] + [outs[j].name for j in saved.outputs]
+        for name in keeps:
+            kept.add(name)
+            kept_in.setdefault(name, set()).add(current)
         fused_away = fuses and is_elementwise(bsym)
         if fused_away:
             for o in outs:
@@ -259,16 +278,19 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
         kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in outputs]
         t.largest[current] = max([t.largest[current], *(_tensor_bytes((o,)) for o in kept_inside)])
     if fuses:
-        kept = kept_after_fusion(kept, elementwise_inputs, made_in, lambda name: _tensor_bytes((proxy[name],)))
+        kept = kept_after_fusion(kept, elementwise_inputs, made_in, lambda name: _tensor_bytes((proxy[name],)),
+                                 region_of, kept_in)
     for name in kept:
         if name in made_in:
             nbytes = _tensor_bytes((proxy[name],))
             t.acts[made_in[name]] += nbytes
             if name in by_matmul:
                 t.matmul_acts[made_in[name]] += nbytes
+    if fuses:  # the fused kernels recompute the elementwise ops anyway: selective checkpointing keeps what none keeps
+        t.matmul_acts = list(t.acts)
     for name, piece in made_in.items():
-        if last_read.get(name, piece) > piece and is_float_tensor(proxy[name]):
-            reader = last_read[name]
+        reader = max(last_read.get(name, piece), trailing.get(name, piece) if name in kept else piece)
+        if reader > piece and is_float_tensor(proxy[name]):
             t.escaping[piece][reader] = t.escaping[piece].get(reader, 0) + _tensor_bytes((proxy[name],))
     return t
 
@@ -291,8 +313,9 @@ def summarize(
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
     outputs = _outputs(computation)  # their gradients are the step's output_bytes, not a piece's working set
+    blocks = [block for _, block, _ in found]  # under fusion, a block's kernels are a region (fused_saves)
     t = _ops_by_piece(computation, piece_of_arg, len(found), fused_attention, frozenset(o.name for o in outputs),
-                      fuses)
+                      fuses, blocks.__getitem__)
 
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).nbytes(dtype) for p in params)
