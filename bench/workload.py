@@ -9,6 +9,9 @@
 2. ``model="hf:<config.json or folder>"``: the Hugging Face causal LM of that config
    (:func:`fsdp_pass.models.spec.build_model`: ``use_cache=False``, float32, nothing downloaded), ``layers`` and
    ``vocab`` overriding the config's where given. It takes ``input_ids`` and ``labels`` and returns its loss.
+   With transformers 5 its forward records outputs through a module global Thunder cannot trace; the Thunder
+   rows jit it with the lookasides of :mod:`fsdp_pass.models.hf_output_capture` (our rows through ``FSDP``,
+   the plain ``thunder`` row by hand in :mod:`bench.systems_gpu`).
 3. Built once on the meta device to learn its class, parameter count and vocabulary (nothing allocated).
 
 ``workload.build(device)`` builds it on the device from seed 0 in float32 (every row starts from the same

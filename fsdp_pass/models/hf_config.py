@@ -111,13 +111,19 @@ def _build(config, device, path):
     transformers = _transformers()
     try:
         with torch.device(device):
-            return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+            return transformers.AutoModelForCausalLM.from_config(config, **{_dtype_keyword(transformers): torch.float32})
     except ValueError as e:
         fail(
             f"The config at {str(path)!r} is not a causal language model transformers knows: {_first_line(e)}",
             "Give the config of a decoder LM (e.g. Llama, Mistral, Qwen2, GPT-2), or wrap the model in a "
             "package.module:factory that returns (module, args, kwargs).",
         )
+
+
+def _dtype_keyword(transformers) -> str:
+    """``from_config``'s dtype keyword: ``dtype`` from transformers 5 on (where ``torch_dtype`` warns that it is
+    deprecated), ``torch_dtype`` before (where ``dtype`` would reach the model's constructor)."""
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
 
 
 def _first_line(error: Exception) -> str:
