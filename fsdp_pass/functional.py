@@ -161,5 +161,5 @@ def derive_backward_and_lower(
     # one process: there are no other ranks to compare collectives with
     fsdp = FSDPOptions(strategy=plan.sharding.strategy, schedule=schedule, verify_ranks=False)
     forward, _ = finish_lowered(forward, "forward", plan, fsdp)
-    backward, _ = finish_lowered(backward, "backward", plan, fsdp)
+    backward, _ = finish_lowered(backward, "backward", plan, fsdp, forward=forward)
     return forward, backward
