@@ -35,6 +35,8 @@ Systems (``--only`` picks some, comma-separated):
   ours zero3/zero2 merged  the same with units=BySize(1 MiB): consecutive decoder layers merged into units of
                   up to 1 MiB, so a model of tiny layers issues a few larger collectives, not one per layer
                   (``ours zero3 merged 512KiB``, ``... 4MiB``: other sizes)
+  ours zero3 resharded  units="blocks" and reshard_after_forward=True: the last unit too is gathered again in
+                  the backward (by default it stays gathered from the forward)
   ours zero3/zero2 default  ``units=`` left out: the step model chooses the units for the device's default cost
                   inputs (:mod:`fsdp_pass.plan.default_units`)
   ours auto       FSDP("auto"): units, resharding and prefetch planned from the device's default cost inputs

@@ -37,7 +37,8 @@ from fsdp_pass.transform import FSDP
 LR = 1e-3
 SYSTEMS = ("eager", "compile", "fsdp2", "fsdp2+compile", "thunder", "ours zero3", "ours zero2", "ours zero3 merged",
            "ours zero2 merged", "ours zero3 default", "ours zero2 default", "ours zero3 merged 512KiB",
-           "ours zero3 merged 4MiB", "ours auto", "ours auto probed", "ours zero3 int8", "ours zero3 float8")
+           "ours zero3 merged 4MiB", "ours auto", "ours auto probed", "ours zero3 int8", "ours zero3 float8",
+           "ours zero3 resharded")
 MERGED_UNIT_BYTES = 1 << 20  # the "merged" rows: consecutive blocks merged into units of up to 1 MiB
 
 
@@ -163,5 +164,7 @@ def build_system(name: str, model, device, executors: list, costs, setup: Setup)
     units = {"merged": BySize(sizes[how[-1]] if how[1:] else MERGED_UNIT_BYTES), "default": None}.get(
         how[0], "blocks") if how else "blocks"
     options = {} if units is None else {"units": units}  # None: units= left out, the step model chooses them
+    if how == ["resharded"]:  # every unit resharded after forward, the last one too
+        options["reshard_after_forward"] = True
     jitted = thunder.jit(model, transforms=[_ours(strategy, setup, **options)], executors=executors)
     return OursTrainer(jitted, costs.for_prices())

@@ -175,5 +175,5 @@ def derive_backward_and_lower(trace, plan: UnitPlan, executors=None, schedule: S
         fsdp = replace(fsdp, schedule=resolve_schedule(schedule))
     fsdp = replace(fsdp, verify_ranks=False)
     forward, _ = finish_lowered(forward, "forward", plan, fsdp)
-    backward, _ = finish_lowered(backward, "backward", plan, fsdp)
+    backward, _ = finish_lowered(backward, "backward", plan, fsdp, forward=forward)
     return forward, backward

@@ -49,6 +49,7 @@ from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
+from fsdp_pass.passes.collective_groups import gathered_parameters
 from fsdp_pass.passes.insert_finite_checks import insert_finite_checks
 from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.label_collectives import annotate_collectives
@@ -112,9 +113,11 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
 
 
 def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, group=None, step_key: str | None = None,
-                   scope: str = ""):
+                   scope: str = "", forward=None):
     """Stages 5-7 on a final ``phase`` (``"forward"`` or ``"backward"``) trace: ``(trace, unit_of_collective)``,
-    the second mapping each collective's output name to its unit's name. ``step_key``: the compile's
+    the second mapping each collective's output name to its unit's name. ``forward``: for the backward, the
+    final forward trace (the gathered parameters it keeps for the backward: the backward's first prefetched
+    gather waits for their first use, not for the loss's gradient above it). ``step_key``: the compile's
     :attr:`~fsdp_pass.compiled_step.CompiledStep.key`, under which its collectives are kept for the per-step
     check (None: no check); ``scope``: the model's name, the same on every rank (its variants' checks agree
     among themselves)."""
@@ -126,7 +129,8 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
             if phase == "forward" and kind is ALL_GATHER and not unit.reshard_after_forward
         )
         unit_of = {name: unit.name for name, (unit, _) in found.items()}
-        trace = schedule_collectives(trace, options.schedule, kept, unit_of)
+        received = gathered_parameters(forward) if phase == "backward" and forward is not None else frozenset()
+        trace = schedule_collectives(trace, options.schedule, kept, unit_of, received)
     check_collective_lifetimes(trace)
     if options.check_finite and step_key is not None:
         trace = insert_finite_checks(trace, phase, plan, group, step_key)
@@ -146,6 +150,6 @@ def reschedule(step: CompiledStep, schedule: Schedule | int | None) -> CompiledS
     out = CompiledStep(step.plan, options)
     for phase in PHASES:
         if step.lowered.get(phase) is not None:
-            trace, units = finish_lowered(step.lowered[phase], phase, step.plan, options)
+            trace, units = finish_lowered(step.lowered[phase], phase, step.plan, options, forward=out.forward)
             out = out.with_final_trace(phase, trace, units, lowered=step.lowered[phase])
     return out

@@ -239,7 +239,7 @@ class FSDP(Transform):
         step = self.compiled_step
         trace, units = finish_lowered(
             computation_trace, phase, step.plan, step.options, self.model.groups.everyone, step_key=step.key,
-            scope=f"model{self.ordinal}",
+            scope=f"model{self.ordinal}", forward=step.forward if phase == "backward" else None,
         )
         self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace

@@ -11,13 +11,14 @@ import itertools
 import weakref
 
 import pytest
+import thunder
 import torch
 from fsdp_pass_executors import collectives as comm
 from fsdp_pass_executors import executors_for
 from thunder.core import prims
 from thunder.core.trace import from_trace
 
-from fsdp_pass import FSDP, FSDPError, Schedule
+from fsdp_pass import FSDP, FSDPError, Schedule, fake_process_group
 from fsdp_pass.pipeline import reschedule
 from fsdp_pass.report.overlap import is_compute, step_overlap
 from fsdp_pass.predicates import (
@@ -347,3 +348,39 @@ def test_the_printed_trace_names_the_executor_of_each_collective(compiled):
     for text in (str(forward), str(backward)):
         assert "fsdp_all_gather(" in text and "fsdp_wait(" in text and "torch_all_gather_prim_impl" not in text
     assert "fsdp_reduce_scatter(" in str(backward)
+
+
+# ------------------------------------------------------------------- a loss computed inside the model
+class _LossInside(torch.nn.Module):
+    """Two tanh layers and a head, the cross-entropy computed in the forward (as a Hugging Face model fed labels):
+    the backward starts with the loss's gradient, above the head's (kept) weight's first use."""
+
+    def __init__(self, d=16, vocab=37):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+def test_the_first_backward_gather_waits_for_the_loss_gradient():
+    """ZeRO-3 keeps the head gathered; the backward's first gather (layers.1, prefetched) is issued right before
+    the first op computing with the head's weight, below the loss's gradient: issued at the top, its buffer
+    would be live while the loss's gradient (the step's largest activations) is computed."""
+    torch.manual_seed(0)
+    with fake_process_group(WORLD):
+        fsdp = FSDP("zero3", units="blocks")
+        jm = thunder.jit(_LossInside(), transforms=[fsdp], executors=executors_for("cpu"))
+        jm(torch.randn(8, 16), torch.randint(0, 37, (8,))).backward()
+    backward = fsdp.compiled_step.backward
+    bsyms = backward.bound_symbols
+    first = positions(backward, is_all_gather)[0]
+    assert fsdp.compiled_step.unit_of_collective[bsyms[first].output.name] == "layers.1"
+    head = next(i for i, b in enumerate(bsyms) if is_work(b) and any(tuple(p.shape) == (37, 16) for p in
+                                                                     b.flat_proxy_args))  # the head's weight
+    assert first < head and not compute_between(backward, first, head), "issued right before the head's backward"
+    assert compute_between(backward, -1, first), "below the loss's gradient"
+    assert compute_between(backward, first, wait_of(backward, first)), "and still overlapping the head's backward"

@@ -5,12 +5,14 @@ its result apart after the wait.
 whose results flow only into it. ``unpacking_group(w, ...)``: wait ``w`` and the packing ops reading only
 what it returns (cutting a gathered buffer into parameters; dividing, casting, copying a reduced shard).
 The scheduling pass moves these groups with their collective; the overlap report does not count the
-unpacking ops as compute that hides a collective.
+unpacking ops as compute that hides a collective. ``gathered_parameters(trace)``: the names that hold gathered
+parameters in a final trace (what its all-gathers' unpacking groups make); ``first_reader(bsyms, names)``: the
+first op that computes with any of them.
 """
 
 from __future__ import annotations
 
-from fsdp_pass.predicates import is_packing
+from fsdp_pass.predicates import is_all_gather, is_bookkeeping, is_packing, is_wait
 
 
 def graph(bsyms):
@@ -54,3 +56,30 @@ def unpacking_group(w: int, bsyms, consumers) -> tuple[list[int], list[int], set
                 else:
                     readers.add(j)
     return sorted(group), sorted(readers - group), made_here
+
+
+def gathered_parameters(trace) -> frozenset[str]:
+    """The names holding gathered parameters in ``trace`` (a final forward): each all-gather's wait result and
+    what the ops cutting it up make. Those the forward returns are the parameters of the units it keeps
+    gathered, which the backward receives under the same names."""
+    bsyms = trace.bound_symbols
+    _, consumers = graph(bsyms)
+    gathers = {b.output.name for b in bsyms if is_all_gather(b)}
+    names: set[str] = set()
+    for w, b in enumerate(bsyms):
+        if is_wait(b) and b.args[0].name in gathers:
+            names |= unpacking_group(w, bsyms, consumers)[2]
+    return frozenset(names)
+
+
+def first_reader(bsyms, names) -> int | None:
+    """Index of the first op of ``bsyms`` that computes with any of ``names``, through the packing ops (views,
+    re-layouts, casts) that only re-present them (lines that manage names and lifetimes do not count); None if
+    none does."""
+    aliases = set(names)
+    for i, b in enumerate(bsyms):
+        if not is_bookkeeping(b) and any(p.name in aliases for p in b.flat_proxy_args):
+            if not is_packing(b):
+                return i
+            aliases.update(o.name for o in b.flat_proxy_outs)
+    return None

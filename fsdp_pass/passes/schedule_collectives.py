@@ -10,7 +10,11 @@ every rank, and every recompile, issues the same collectives in the same order.
 2. Waits: each wait, with the shape ops that only cut its result into pieces, sits right before the
    first other op that reads any of it.
 3. All-gathers, in the order of their first use: gather ``k`` is issued right after the wait of gather
-   ``k - prefetch`` (at the top for the first ``prefetch`` ones), i.e. while the unit before it computes;
+   ``k - prefetch``, i.e. while the unit before it computes; the first ``prefetch`` ones right before the
+   first op that computes with gathered parameters (those the trace receives, i.e. in the backward the
+   units the forward kept gathered, or its own gathers' results), not at the top: the ops above it belong
+   to no unit (in the backward, the loss's gradient) and hold the step's largest activations, so a gather
+   issued there holds its buffer at the step's peak and overlaps none of a unit's compute;
    ``prefetch`` is the depth of the gather's unit (``Schedule.prefetch_of``; the units are read off the ops
    feeding the gathers, ``unit_of``), 0 issues it right before its own wait; over a group of one rank every
    gather's depth is 0 (it moves nothing, so prefetching it would only hold its buffer longer).
@@ -43,7 +47,7 @@ from thunder.core.trace import TraceProvenance, from_trace
 from thunder.executors.passes import del_last_used
 from thunder.executors.pythonex import clear_mutable_collection
 
-from fsdp_pass.passes.collective_groups import graph, packing_group, unpacking_group
+from fsdp_pass.passes.collective_groups import first_reader, graph, packing_group, unpacking_group
 from fsdp_pass.predicates import (
     collective_group,
     is_all_gather,
@@ -68,8 +72,9 @@ def _nbytes(proxy) -> int:
     return proxy.numel * proxy.dtype.bytes
 
 
-def _gather_issue_keys(wait_key, sizes, depths, schedule: Schedule, leading_kept: int) -> list[tuple]:
-    """Step 3: the sort key of each gather's issue (gathers in order of first use, ``depths`` their prefetch)."""
+def _gather_issue_keys(wait_key, sizes, depths, schedule: Schedule, leading_kept: int, first_unit_op) -> list[tuple]:
+    """Step 3: the sort key of each gather's issue (gathers in order of first use, ``depths`` their prefetch;
+    ``first_unit_op``: the position of the first op computing with gathered parameters)."""
     keys = []
     for k in range(len(sizes)):
         if k < leading_kept:
@@ -82,7 +87,8 @@ def _gather_issue_keys(wait_key, sizes, depths, schedule: Schedule, leading_kept
         limit = schedule.max_unused_bytes
         while limit is not None and j < k - 1 and sum(sizes[max(j + 1, 0) : k + 1]) > limit:
             j += 1
-        keys.append((_EARLIEST if j < 0 else wait_key[j][0] + 0.25, k))
+        at = min(first_unit_op, wait_key[k][0]) - 0.25 if j < 0 else wait_key[j][0] + 0.25
+        keys.append((at, k))
     return keys
 
 
@@ -94,9 +100,13 @@ def _prefetch(gather, schedule: Schedule, unit_of) -> int:
     return schedule.prefetch_of(unit_of.get(gather.output.name))
 
 
-def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = frozenset(), unit_of=None):
+def schedule_collectives(
+    trace, schedule: Schedule, kept: frozenset[str] = frozenset(), unit_of=None, received: frozenset[str] = frozenset()
+):
     """``kept``: output names of the all-gathers whose units stay gathered for the backward; ``unit_of``: output
-    name of a collective -> its unit's name (for ``Schedule.prefetch_by_unit``)."""
+    name of a collective -> its unit's name (for ``Schedule.prefetch_by_unit``); ``received``: names of gathered
+    parameters the trace receives (the backward: those of the units the forward kept gathered,
+    :func:`~fsdp_pass.passes.collective_groups.gathered_parameters` of the final forward)."""
     unit_of = unit_of or {}
     bsyms = _without_lifetimes(trace.bound_symbols)
     had_clears = any(b.sym is clear_mutable_collection for b in trace.bound_symbols)  # a backward trace
@@ -129,7 +139,9 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
     wait_keys = [key[wait_group[c][0]] for c in gathers]
     sizes = [_nbytes(bsyms[c].output) for c in gathers]
     depths = [_prefetch(bsyms[c], schedule, unit_of) for c in gathers]
-    issue_key = dict(zip(gathers, _gather_issue_keys(wait_keys, sizes, depths, schedule, leading_kept)))
+    first_unit_op = min([use_order[c][0] for c in gathers] + [_first_reader_or_end(bsyms, received, ret)])
+    keys = _gather_issue_keys(wait_keys, sizes, depths, schedule, leading_kept, first_unit_op)
+    issue_key = dict(zip(gathers, keys))
     # 4. reduce-scatters and all-reduces as soon as their input exists
     issue_key.update({c: (_EARLIEST, 0) for c in wait_group if c not in issue_key})
     # 5. packing ops travel with their collective
@@ -146,6 +158,11 @@ def schedule_collectives(trace, schedule: Schedule, kept: frozenset[str] = froze
     new = del_last_used(new, clear_mutable_collections=had_clears)
     new.set_provenance(TraceProvenance(f"fsdp_pass: schedule collectives ({schedule})"))
     return new
+
+
+def _first_reader_or_end(bsyms, names, end: int) -> int:
+    at = first_reader(bsyms, names) if names else None
+    return end if at is None else at
 
 
 def _wait_chained_before_next_reduction(bsyms, wait_group, producer, key) -> None:
