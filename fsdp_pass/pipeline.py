@@ -130,7 +130,7 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         )
         unit_of = {name: unit.name for name, (unit, _) in found.items()}
         received = gathered_parameters(forward) if phase == "backward" and forward is not None else frozenset()
-        trace = schedule_collectives(trace, options.schedule, kept, unit_of, received)
+        trace = schedule_collectives(trace, options.schedule, kept, unit_of, received, backward=phase == "backward")
     check_collective_lifetimes(trace)
     if options.check_finite and step_key is not None:
         trace = insert_finite_checks(trace, phase, plan, group, step_key)

@@ -353,7 +353,8 @@ def test_the_printed_trace_names_the_executor_of_each_collective(compiled):
 # ------------------------------------------------------------------- a loss computed inside the model
 class _LossInside(torch.nn.Module):
     """Two tanh layers and a head, the cross-entropy computed in the forward (as a Hugging Face model fed labels):
-    the backward starts with the loss's gradient, above the head's (kept) weight's first use."""
+    the backward starts with the loss's gradient, above the head's (kept) weight's first use. The forward starts
+    with compute of no unit's (as a model's position tables or masks)."""
 
     def __init__(self, d=16, vocab=37):
         super().__init__()
@@ -361,6 +362,7 @@ class _LossInside(torch.nn.Module):
         self.head = torch.nn.Linear(d, vocab, bias=False)
 
     def forward(self, x, y):
+        x = torch.sin(x @ x.T) @ x
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return torch.nn.functional.cross_entropy(self.head(x), y)
@@ -369,7 +371,8 @@ class _LossInside(torch.nn.Module):
 def test_the_first_backward_gather_waits_for_the_loss_gradient():
     """ZeRO-3 keeps the head gathered; the backward's first gather (layers.1, prefetched) is issued right before
     the first op computing with the head's weight, below the loss's gradient: issued at the top, its buffer
-    would be live while the loss's gradient (the step's largest activations) is computed."""
+    would be live while the loss's gradient (the step's largest activations) is computed. The forward's first
+    gather stays at the top, overlapping the compute above the first unit."""
     torch.manual_seed(0)
     with fake_process_group(WORLD):
         fsdp = FSDP("zero3", units="blocks")
@@ -384,3 +387,6 @@ def test_the_first_backward_gather_waits_for_the_loss_gradient():
     assert first < head and not compute_between(backward, first, head), "issued right before the head's backward"
     assert compute_between(backward, -1, first), "below the loss's gradient"
     assert compute_between(backward, first, wait_of(backward, first)), "and still overlapping the head's backward"
+    forward = fsdp.compiled_step.forward
+    first = positions(forward, is_all_gather)[0]
+    assert compute_between(forward, first, wait_of(forward, first)), "the forward's first gather overlaps x @ x.T"

@@ -10,11 +10,12 @@ every rank, and every recompile, issues the same collectives in the same order.
 2. Waits: each wait, with the shape ops that only cut its result into pieces, sits right before the
    first other op that reads any of it.
 3. All-gathers, in the order of their first use: gather ``k`` is issued right after the wait of gather
-   ``k - prefetch``, i.e. while the unit before it computes; the first ``prefetch`` ones right before the
-   first op that computes with gathered parameters (those the trace receives, i.e. in the backward the
-   units the forward kept gathered, or its own gathers' results), not at the top: the ops above it belong
-   to no unit (in the backward, the loss's gradient) and hold the step's largest activations, so a gather
-   issued there holds its buffer at the step's peak and overlaps none of a unit's compute;
+   ``k - prefetch``, i.e. while the unit before it computes; the first ``prefetch`` ones at the top of the
+   forward (little is live there, and they overlap whatever precedes the first unit), and in the backward
+   right before the first op that computes with gathered parameters (those the trace receives, the units
+   the forward kept gathered, or its own gathers' results): the ops above it belong to no unit (the loss's
+   gradient) and hold the step's largest activations, so a gather issued there would hold its buffer at
+   the step's peak and overlap none of a unit's compute;
    ``prefetch`` is the depth of the gather's unit (``Schedule.prefetch_of``; the units are read off the ops
    feeding the gathers, ``unit_of``), 0 issues it right before its own wait; over a group of one rank every
    gather's depth is 0 (it moves nothing, so prefetching it would only hold its buffer longer).
@@ -74,7 +75,7 @@ def _nbytes(proxy) -> int:
 
 def _gather_issue_keys(wait_key, sizes, depths, schedule: Schedule, leading_kept: int, first_unit_op) -> list[tuple]:
     """Step 3: the sort key of each gather's issue (gathers in order of first use, ``depths`` their prefetch;
-    ``first_unit_op``: the position of the first op computing with gathered parameters)."""
+    ``first_unit_op``: the position of the first op computing with gathered parameters, None: the top)."""
     keys = []
     for k in range(len(sizes)):
         if k < leading_kept:
@@ -87,7 +88,10 @@ def _gather_issue_keys(wait_key, sizes, depths, schedule: Schedule, leading_kept
         limit = schedule.max_unused_bytes
         while limit is not None and j < k - 1 and sum(sizes[max(j + 1, 0) : k + 1]) > limit:
             j += 1
-        at = min(first_unit_op, wait_key[k][0]) - 0.25 if j < 0 else wait_key[j][0] + 0.25
+        if j >= 0:
+            at = wait_key[j][0] + 0.25
+        else:
+            at = _EARLIEST if first_unit_op is None else min(first_unit_op, wait_key[k][0]) - 0.25
         keys.append((at, k))
     return keys
 
@@ -101,12 +105,14 @@ def _prefetch(gather, schedule: Schedule, unit_of) -> int:
 
 
 def schedule_collectives(
-    trace, schedule: Schedule, kept: frozenset[str] = frozenset(), unit_of=None, received: frozenset[str] = frozenset()
+    trace, schedule: Schedule, kept: frozenset[str] = frozenset(), unit_of=None, received: frozenset[str] = frozenset(),
+    backward: bool = False,
 ):
     """``kept``: output names of the all-gathers whose units stay gathered for the backward; ``unit_of``: output
     name of a collective -> its unit's name (for ``Schedule.prefetch_by_unit``); ``received``: names of gathered
     parameters the trace receives (the backward: those of the units the forward kept gathered,
-    :func:`~fsdp_pass.passes.collective_groups.gathered_parameters` of the final forward)."""
+    :func:`~fsdp_pass.passes.collective_groups.gathered_parameters` of the final forward); ``backward``: the trace
+    is a backward (its first gathers wait for its first unit's op, see step 3)."""
     unit_of = unit_of or {}
     bsyms = _without_lifetimes(trace.bound_symbols)
     had_clears = any(b.sym is clear_mutable_collection for b in trace.bound_symbols)  # a backward trace
@@ -139,7 +145,10 @@ def schedule_collectives(
     wait_keys = [key[wait_group[c][0]] for c in gathers]
     sizes = [_nbytes(bsyms[c].output) for c in gathers]
     depths = [_prefetch(bsyms[c], schedule, unit_of) for c in gathers]
-    first_unit_op = min([use_order[c][0] for c in gathers] + [_first_reader_or_end(bsyms, received, ret)])
+    # the backward's first gathers wait for its first unit's op (above it: the loss's gradient, at the step's
+    # peak); the forward's are issued at the top, where little is live, to overlap whatever precedes the first unit
+    first_unit_op = (min([use_order[c][0] for c in gathers] + [_first_reader_or_end(bsyms, received, ret)])
+                     if backward else None)
     keys = _gather_issue_keys(wait_keys, sizes, depths, schedule, leading_kept, first_unit_op)
     issue_key = dict(zip(gathers, keys))
     # 4. reduce-scatters and all-reduces as soon as their input exists
