@@ -156,15 +156,14 @@ def build_system(name: str, model, device, executors: list, costs, setup: Setup)
         jitted = thunder.jit(model, transforms=[_ours("auto", setup, cost=cost)], executors=executors)
         return OursTrainer(jitted, costs.for_prices())
     strategy, *how = name.split()[1:]
-    if how and how[0] in ("int8", "float8"):  # the step model's default units, parameters gathered in 8 bits
-        dtype = {"int8": torch.int8, "float8": torch.float8_e4m3fn}[how[0]]
-        jitted = thunder.jit(model, transforms=[_ours(strategy, setup, gather_dtype=dtype)], executors=executors)
-        return OursTrainer(jitted, costs.for_prices())
+    gather_dtype = {"int8": torch.int8, "float8": torch.float8_e4m3fn}.get(how[0]) if how else None
+    if gather_dtype is not None:  # the 8-bit gather rows: the step model's default units
+        how = ["default"]
     sizes = {"512KiB": 1 << 19, "4MiB": 1 << 22}  # the "merged" rows at other unit sizes
     units = {"merged": BySize(sizes[how[-1]] if how[1:] else MERGED_UNIT_BYTES), "default": None}.get(
         how[0], "blocks") if how else "blocks"
     options = {} if units is None else {"units": units}  # None: units= left out, the step model chooses them
     if how == ["resharded"]:  # every unit resharded after forward, the last one too
         options["reshard_after_forward"] = True
-    jitted = thunder.jit(model, transforms=[_ours(strategy, setup, **options)], executors=executors)
+    jitted = thunder.jit(model, transforms=[_ours(strategy, setup, gather_dtype, **options)], executors=executors)
     return OursTrainer(jitted, costs.for_prices())

@@ -69,12 +69,12 @@ def kept_after_fusion(kept: set[str], elementwise_inputs: dict[str, tuple[str, .
     per result of an elementwise op, the results it read (views taken as what they view); ``made_in``: every
     result's piece, in the order the trace made them; ``nbytes(name)``: a result's bytes; ``region_of(piece)``: its
     region (None: each piece its own); ``kept_in``: per kept result, the pieces whose ops keep it."""
-    region = (lambda x: made_in[x]) if region_of is None else (lambda x: region_of(made_in[x]))
+    region_of = region_of or (lambda piece: piece)
+    region = lambda x: region_of(made_in[x])  # noqa: E731 - a result's region
     kept_in = kept_in or {}
     out = set(kept)
     # read by a later region's backward: kept as it is
-    pinned = {k for k in kept if k in made_in and any(
-        (p if region_of is None else region_of(p)) != region(k) for p in kept_in.get(k, ()))}
+    pinned = {k for k in kept if k in made_in and any(region_of(p) != region(k) for p in kept_in.get(k, ()))}
     order = {name: i for i, name in enumerate(made_in)}
     for name in sorted((k for k in kept if k in elementwise_inputs), key=order.get, reverse=True):
         if name in pinned or name not in out:
