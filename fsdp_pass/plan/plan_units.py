@@ -4,8 +4,12 @@
 2. Ask the unit policy (:mod:`fsdp_pass.plan.unit_policies`) for groups of parameter names.
 3. Split a group that mixes dtypes into one unit per dtype (one flat buffer needs one dtype).
 4. Decide per unit whether it reshards after forward: ZeRO-2 never; ZeRO-3 every unit except the
-   last one the forward gathers (the backward starts with it, so freeing it would only mean
-   gathering it again at once); ``reshard_after_forward`` overrides this.
+   last one the forward gathers, when nothing computes after its last use (the backward then starts with it,
+   so freeing it would only mean gathering it again at once). When the forward computes after it (a loss
+   computed inside the model: log-softmax, nll, ...), the backward starts with that computation's gradient,
+   where the step peaks, and holding the last unit there costs its bytes at the peak: it reshards like the
+   others and the backward gathers it again before its first use (:func:`compute_after`);
+   ``reshard_after_forward`` overrides this.
 5. Order units by first use; that is the order of their all-gathers.
 6. Mark the units whose activations are checkpointed, and at which level (``checkpoint_activations``, asked per
    unit: :mod:`~fsdp_pass.plan.checkpointing`).
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import thunder.torch as ltorch
+
 from fsdp_pass.errors import check
 from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.module_tree import ModuleTree
@@ -23,6 +29,7 @@ from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
+from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_view_like
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
@@ -47,12 +54,41 @@ def _split_by_dtype(groups, sharding: ShardingPlan, notes: list[str]):
     return out
 
 
-def _reshard(units: list[Unit], strategy: Strategy, override, notes: list[str]) -> list[Unit]:
+# the functional trace's views (Thunder's torch symbols that return views, and its reshapes, views of what is contiguous)
+_VIEWS = frozenset(s.id for s in ltorch._syms_returning_views | {ltorch.reshape, ltorch.flatten})
+
+
+def _is_view(bsym) -> bool:
+    return is_view_like(bsym) or bsym.sym.id in _VIEWS
+
+
+def compute_after(computation, index: int) -> list[str]:
+    """The ops of ``computation`` after op ``index`` that compute a floating-point tensor (not a view, a re-layout, a
+    shape query, an integer result or bookkeeping), by name in trace order: what the backward differentiates before
+    it reaches op ``index``."""
+    return [
+        b.sym.name
+        for b in computation.bound_symbols[index + 1:]
+        if not (is_bookkeeping(b) or _is_view(b)) and any(is_float_tensor(o) for o in b.flat_proxy_outs)
+    ]
+
+
+def _reshard(units: list[Unit], strategy: Strategy, override, notes: list[str], computation) -> list[Unit]:
     if override is None:
-        keep_last = strategy is Strategy.ZERO3 and len(units) > 0
-        flags = [strategy is Strategy.ZERO3 and not (keep_last and i == len(units) - 1) for i in range(len(units))]
+        zero3 = strategy is Strategy.ZERO3 and len(units) > 0
+        after = compute_after(computation, units[-1].last_use) if zero3 else []
+        keep_last = zero3 and not after
+        flags = [zero3 and not (keep_last and i == len(units) - 1) for i in range(len(units))]
         if keep_last:
-            notes.append(f"unit {units[-1].name!r} stays gathered after forward: the backward needs it first")
+            notes.append(f"unit {units[-1].name!r} stays gathered after forward: nothing computes after its last use, "
+                         "so the backward needs it first")
+        elif zero3:
+            shown = list(dict.fromkeys(after))
+            notes.append(
+                f"unit {units[-1].name!r} reshards after forward although the forward gathers it last: "
+                f"{len(after)} op(s) compute after its last use ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}), "
+                "whose gradients the backward computes first without it; it is gathered again before its first use"
+            )
     elif isinstance(override, bool):
         flags = [override] * len(units)
     else:
@@ -105,7 +141,7 @@ def plan_units(
         for name, params in _split_by_dtype(groups, sharding, notes)
     ]
     units.sort(key=lambda u: u.first_use)
-    units = _reshard(units, sharding.strategy, options.reshard_after_forward, notes)
+    units = _reshard(units, sharding.strategy, options.reshard_after_forward, notes, computation)
     units = [replace(u, checkpoint=checkpoint_level(options.checkpoint_activations(u))) for u in units]
     return UnitPlan(
         sharding=sharding,

@@ -131,9 +131,10 @@ class Explanation:
         if step is not None and step.output_grad_bytes > _SCALAR_OUTPUTS and not step.returns_a_loss:
             notes.append(
                 f"loss outside the model: the backward receives the gradient of {human_bytes(step.output_grad_bytes)} "
-                "of outputs (in the peak above); a loss computed from them outside the model (cross-entropy on "
-                "the logits) allocates about two more tensors that size for its own backward, which no trace here "
-                "shows: return the loss from the model to have it traced and planned"
+                "of outputs; the loss computed from them outside the model is taken to be a cross-entropy on the "
+                f"logits, whose own backward holds {human_bytes(step.caller_loss_bytes)} more (two tensors that size) "
+                "at the backward's start, which no trace here shows (both in the peak above): return the loss from "
+                "the model to have it traced and planned"
             )
         if self.gather_dtype is not None and self.world_size == 1:
             notes.append(

@@ -20,8 +20,15 @@ as a *buffer*:
    output and what it saves for the backward) lives on into the backward, until the backward's last
    use of it; what the backward returns (the gradient shards) lives to the end of the step;
 5. the gradients of the forward's outputs that the backward receives (its ``cotangents``: the logits'
-   gradient when the loss is computed outside the model) live for the whole backward, whatever the trace
-   deletes: torch's autograd engine holds them until the backward call returns.
+   gradient when the loss is computed outside the model) are live from its start to their last use: Thunder's
+   split autograd (``ThunderOutputFunction`` in ``thunder/executors/torch_autograd.py``) hands them over in a
+   list that the trace empties, and torch's autograd engine keeps no reference;
+6. a loss computed outside the model (the forward returns outputs with gradients and no 0-d one) runs its
+   backward in eager before the backward trace starts, which no trace shows. It is taken to be a cross-entropy
+   over the outputs' last dimension, as a language model's step computes it: the log-probabilities it saved
+   and their gradient live beside each output's gradient while that is made, two buffers as large as each
+   non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`). A cheaper loss
+   (a sum) makes this an over-count; one that upcasts the outputs first, an under-count.
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
 (all-gather results and copies cut from them, also when the forward kept them for the backward),
@@ -83,6 +90,7 @@ KINDS = (GATHERED, SAVED, GRADIENTS, GRAD_SHARDS, OTHER)
 
 
 COTANGENT = "cotangent"  # the op name of a buffer the backward receives as an output's gradient (rule 5)
+CALLER_LOSS = "loss outside the model"  # the op name of what a loss computed by the caller holds (rule 6)
 
 
 def tensor_bytes(proxy) -> int:
@@ -282,17 +290,18 @@ class _Buffers:
                     self.new(o, i, b)
 
 
-def trace_memory(trace, carried_in: dict[str, Buffer] | None = None, held=()) -> TraceMemory:
-    """Follow every buffer of ``trace``. ``carried_in``: name -> Buffer the trace receives live. ``held``: tensor
-    proxies the trace receives that its caller keeps alive until it returns (new buffers, live throughout)."""
+def trace_memory(trace, carried_in: dict[str, Buffer] | None = None, received=(), before=()) -> TraceMemory:
+    """Follow every buffer of ``trace``. ``carried_in``: name -> Buffer the trace receives live (what the forward
+    saved). ``received``: tensor proxies the trace receives from its caller (new buffers, live from the start to
+    their last use: rule 5). ``before``: (name, bytes) of buffers the caller holds only before the trace starts
+    (rule 6), live at its start."""
     followed = _Buffers(carried_in or {})
-    for p in held:
+    for p in received:
         followed.new(p, -1, None)
     for i, b in enumerate(trace.bound_symbols):
         followed.op(b, i)
     end = len(trace.bound_symbols)
     returned_buffers = {followed.buffer_of[n] for n in followed.handed_on_names}
-    returned_buffers |= {followed.buffer_of[p.name] for p in held}
     buffers = tuple(
         Buffer(
             k,
@@ -303,7 +312,7 @@ def trace_memory(trace, carried_in: dict[str, Buffer] | None = None, held=()) ->
             *followed.written_by[k],
         )
         for k in followed.size
-    )
+    ) + tuple(Buffer(name, nbytes, OTHER, -1, -1, CALLER_LOSS) for name, nbytes in before)
     peak, peak_at, peak_by_kind = _peak(buffers)
     by_id = {buf.name: buf for buf in buffers}
     handed_on = {n: by_id[followed.buffer_of[n]] for n in followed.handed_on_names}
@@ -346,6 +355,12 @@ class StepMemory:
     def output_grad_bytes(self) -> int:
         """The gradients of the forward's outputs the backward receives (rule 5)."""
         return sum(b.nbytes for b in self.backward.buffers if b.op == COTANGENT) if self.backward else 0
+
+    @property
+    def caller_loss_bytes(self) -> int:
+        """What a loss computed outside the model holds at the backward's start beside its outputs' gradients
+        (rule 6)."""
+        return sum(b.nbytes for b in self.backward.buffers if b.op == CALLER_LOSS) if self.backward else 0
 
     @property
     def peak_phase(self) -> str:
@@ -446,11 +461,16 @@ def step_memory(forward, backward=None) -> StepMemory:
     fwd = trace_memory(forward)
     saved = {buf.name: buf for buf in fwd.handed_on.values()}
     output_grads = cotangents(backward) if backward is not None else []
-    bwd = trace_memory(backward, fwd.handed_on, output_grads) if backward is not None else None
+    returns_a_loss = any(len(g.shape) == 0 for g in output_grads)
+    caller_loss = () if returns_a_loss else tuple(  # rule 6: log-probabilities and their gradient, per output
+        (f"{g.name}:{what}", tensor_bytes(g)) for g in output_grads if len(g.shape) > 0
+        for what in ("log-probabilities", "their gradient")
+    )
+    bwd = trace_memory(backward, fwd.handed_on, output_grads, caller_loss) if backward is not None else None
     return StepMemory(
         fwd,
         bwd,
         sum(b.nbytes for b in saved.values()),
         sum(b.nbytes for b in saved.values() if b.kind == GATHERED),
-        any(len(g.shape) == 0 for g in output_grads),
+        returns_a_loss,
     )
