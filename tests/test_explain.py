@@ -184,12 +184,12 @@ def test_memory_prediction_follows_views_and_lifetimes():
     assert in_place and all(b.start == packs[b.name] for b in in_place)  # written whole by the pack op
     # parameters copied out of a several-parameter unit's buffer are gathered memory too
     assert any(b.kind == GATHERED and not is_collective_output(b) for b in m.forward.buffers)
-    # ZeRO-3 frees every resharded unit's gather in the forward; the last unit's parameters (copied out
-    # of its buffer) are saved for the backward, which does not gather them again, and so are the small
-    # RMSNorm weights of the layers (Thunder saves them rather than gather them again)
-    (kept,) = [u for u in dry.explanation.units if not u.reshard_after_forward]
-    norms = 2 * explain_cases.CONFIG["n_layer"] * explain_cases.CONFIG["d"] * 4
-    assert m.saved_gathered_bytes == kept.numel * 4 + norms
+    # ZeRO-3 frees every unit's gather in the forward (the last one's too: the model computes its loss after
+    # it); what the backward keeps of gathered parameters is the small RMSNorm weights of the layers and the
+    # final one (Thunder saves them rather than gather them again)
+    assert all(u.reshard_after_forward for u in dry.explanation.units)
+    norms = (2 * explain_cases.CONFIG["n_layer"] + 1) * explain_cases.CONFIG["d"] * 4
+    assert m.saved_gathered_bytes == norms
     assert all(b.end < len(dry.forward.bound_symbols) for b in gathered)
 
 
@@ -290,10 +290,11 @@ def test_peak_is_split_into_kinds_that_add_up_and_the_gathered_peak_says_what_it
 
 
 def test_a_loss_outside_the_model_is_counted_and_noted():
-    """The tests' Llama returns its logits: their gradient, which the autograd engine hands the backward and
-    holds until it returns, is in the peak, and a note says that the loss's own backward is not traced."""
+    """The tests' Llama returns its logits: their gradient, which Thunder's split autograd hands the backward in
+    a list the trace empties, lives to its last use; the loss computed from them outside the model is counted
+    as a cross-entropy's two more buffers that size at the backward's start, and a note says so."""
     from fsdp_pass.report.explain import explain_step
-    from fsdp_pass.report.memory import cotangents
+    from fsdp_pass.report.memory import CALLER_LOSS, cotangents
     from tests.llama_steps import shared_step
 
     _, backward, fsdp = shared_step("zero3")
@@ -301,10 +302,16 @@ def test_a_loss_outside_the_model_is_counted_and_noted():
     (logits_grad,) = cotangents(backward)
     nbytes = logits_grad.numel * logits_grad.dtype.bytes
     assert e.memory.step.output_grad_bytes == nbytes > 1024
-    held = [b for b in e.memory.step.backward.buffers if b.op == "cotangent"]
-    assert [(b.start, b.end) for b in held] == [(-1, len(backward.bound_symbols))]  # live through the backward
+    (held,) = [b for b in e.memory.step.backward.buffers if b.op == "cotangent"]
+    last_read = max(i for i, b in enumerate(backward.bound_symbols)
+                    if logits_grad.name in {p.name for p in b.flat_proxy_args} and b.sym.name != "python_del")
+    # freed at the last read of it or of a view of it, well before the backward's end
+    assert held.start == -1 and last_read <= held.end < len(backward.bound_symbols) // 2
+    caller = [b for b in e.memory.step.backward.buffers if b.op == CALLER_LOSS]
+    assert [(b.start, b.end, b.nbytes) for b in caller] == [(-1, -1, nbytes)] * 2
+    assert e.memory.step.caller_loss_bytes == 2 * nbytes
     (note,) = [n for n in e.notes if n.startswith("loss outside the model")]
-    assert human_bytes(nbytes) in note and note in str(e)
+    assert human_bytes(nbytes) in note and human_bytes(2 * nbytes) in note and note in str(e)
 
 
 def test_zero3_at_world_1_keeps_for_the_backward_what_it_keeps_at_world_2():

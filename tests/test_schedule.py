@@ -369,10 +369,11 @@ class _LossInside(torch.nn.Module):
 
 
 def test_the_first_backward_gather_waits_for_the_loss_gradient():
-    """ZeRO-3 keeps the head gathered; the backward's first gather (layers.1, prefetched) is issued right before
-    the first op computing with the head's weight, below the loss's gradient: issued at the top, its buffer
-    would be live while the loss's gradient (the step's largest activations) is computed. The forward's first
-    gather stays at the top, overlapping the compute above the first unit."""
+    """ZeRO-3 reshards the head too, as the forward computes the loss after it; the backward's first gather (the
+    head's) is issued right before the first op computing with the head's weight, below the loss's gradient:
+    issued at the top, its buffer would be live while the loss's gradient (the step's largest activations) is
+    computed. The next (layers.1, prefetched) overlaps the head's backward. The forward's first gather stays at
+    the top, overlapping the compute above the first unit."""
     torch.manual_seed(0)
     with fake_process_group(WORLD):
         fsdp = FSDP("zero3", units="blocks")
@@ -380,13 +381,14 @@ def test_the_first_backward_gather_waits_for_the_loss_gradient():
         jm(torch.randn(8, 16), torch.randint(0, 37, (8,))).backward()
     backward = fsdp.compiled_step.backward
     bsyms = backward.bound_symbols
-    first = positions(backward, is_all_gather)[0]
-    assert fsdp.compiled_step.unit_of_collective[bsyms[first].output.name] == "layers.1"
+    first, second = positions(backward, is_all_gather)[:2]
+    unit_of = fsdp.compiled_step.unit_of_collective
+    assert [unit_of[bsyms[i].output.name] for i in (first, second)] == ["head", "layers.1"]
     head = next(i for i, b in enumerate(bsyms) if is_work(b) and any(tuple(p.shape) == (37, 16) for p in
                                                                      b.flat_proxy_args))  # the head's weight
     assert first < head and not compute_between(backward, first, head), "issued right before the head's backward"
     assert compute_between(backward, -1, first), "below the loss's gradient"
-    assert compute_between(backward, first, wait_of(backward, first)), "and still overlapping the head's backward"
+    assert compute_between(backward, second, wait_of(backward, second)), "layers.1's overlaps the head's backward"
     forward = fsdp.compiled_step.forward
     first = positions(forward, is_all_gather)[0]
     assert compute_between(forward, first, wait_of(forward, first)), "the forward's first gather overlaps x @ x.T"
