@@ -31,8 +31,9 @@ def blocks():
 
 
 def _zero3(starts):
-    k = len(starts)
-    return Candidate(tuple(starts), tuple(i < k - 1 for i in range(k)), 1)
+    """ZeRO-3 over these units: every unit resharded, the last too, as test_explain's model computes its loss after
+    it (plan_units' rule; the compiled plans' last units reshard, test_units)."""
+    return Candidate(tuple(starts), (True,) * len(starts), 1)
 
 
 def _neighbours(starts, n):
@@ -50,6 +51,7 @@ def test_the_default_units_are_the_step_models_fastest(default, blocks):
     assert plan.policy == "step_model" and choice.cost == CPU and choice.budget is None  # the CPU: no bound
     starts = tuple(sorted({min(i for i, p in enumerate(summary.pieces) if set(p.params) & set(u.params))
                            for u in plan.units}))
+    assert plan.units[-1].reshard_after_forward and blocks.explanation.plan.units[-1].reshard_after_forward
     chosen = predict(summary, _zero3(starts), CPU)
     # the compiled plan is the one priced, and it is faster than one unit per block (by the 2 % it must be)
     assert default.predict_step("cpu-gloo").step_s == pytest.approx(chosen.step_s)
@@ -84,11 +86,11 @@ def test_units_blocks_is_todays_plan(blocks):
 def test_the_choice_fits_the_budget_and_keeps_blocks_where_it_cannot_price(default):
     plan = default.fsdp.compiled_step.plan
     summary, options = plan.summary, default.fsdp.compiled_step.options
-    free = choose_units(summary, options, CPU, None)
+    free = choose_units(summary, options, CPU, None, keep_last=False)  # the loss follows the last unit
     assert free.groups == plan.units_choice.groups  # a pure function of the summary, options and cost inputs
     budget = free.blocks.peak_bytes  # one unit per block fits it, the unbounded choice does not
     assert free.prediction.peak_bytes > budget
-    bound = choose_units(summary, options, CPU, budget)
+    bound = choose_units(summary, options, CPU, budget, keep_last=False)
     assert bound.prediction.peak_bytes <= budget and bound.prediction.step_s <= bound.blocks.step_s
     for unpriced in (replace(options, schedule=None), replace(options, reshard_after_forward=lambda u: True)):
         kept = choose_units(summary, unpriced, CPU, None)

@@ -131,15 +131,16 @@ def _why_not_priced(options) -> str | None:
     return None
 
 
-def _candidate(starts: tuple[int, ...], options) -> Candidate:
+def _candidate(starts: tuple[int, ...], options, keep_last: bool = True) -> Candidate:
     """``starts`` with the user's resharding, prefetch depth, checkpointing and offload (as plan_units applies
-    them: ZeRO-3 reshards every unit but the last the forward gathers, ZeRO-2 none)."""
+    them: ZeRO-3 reshards every unit but the last the forward gathers, that one too unless ``keep_last``: the
+    forward computes after it, :func:`~fsdp_pass.plan.plan_units.last_unit_stays`; ZeRO-2 none)."""
     from fsdp_pass.plan.options import constant_checkpoint_level
 
     k, override = len(starts), options.reshard_after_forward
     if override is None:
         zero3 = options.strategy is Strategy.ZERO3
-        reshard = tuple(zero3 and i < k - 1 for i in range(k))
+        reshard = tuple(zero3 and (i < k - 1 or not keep_last) for i in range(k))
     else:
         reshard = (override,) * k
     level = constant_checkpoint_level(options.checkpoint_activations)
@@ -147,15 +148,17 @@ def _candidate(starts: tuple[int, ...], options) -> Candidate:
                      (level,) * k if level != "none" else ())
 
 
-def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None) -> UnitsChoice:
+def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None,
+                 keep_last: bool = True) -> UnitsChoice:
     """The units with the fastest predicted step (fitting ``budget`` first) for the user's other ``options``
-    (module docstring, items 2-3)."""
+    (module docstring, items 2-3); ``keep_last``: ZeRO-3 keeps the last unit gathered into the backward (nothing
+    computes after it in the forward)."""
     blocked = _why_not_priced(options) if summary.pieces else "the step reads no parameters"
     if blocked:
         return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",))
 
     def price(starts: tuple[int, ...]) -> Priced:
-        candidate = _candidate(starts, options)
+        candidate = _candidate(starts, options, keep_last)
         return Priced(candidate, predict(summary, candidate, cost), tuple(unit_names(summary, starts)))
 
     search = greedy_units(summary, price, budget)
@@ -173,11 +176,12 @@ def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | 
     return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction)
 
 
-def options_with_chosen_units(summary: StepSummary, model, options):
-    """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``."""
+def options_with_chosen_units(summary: StepSummary, model, options, keep_last: bool = True):
+    """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``;
+    ``keep_last``: as :func:`choose_units`."""
     policy = options.unit_policy
     if not policy.is_settled:  # not sharded by the transform (the functional path): this rank's device alone
         policy = policy.settled(getattr(model, "device", None), None)
-    choice = choose_units(summary, options, policy.cost, policy.budget)
+    choice = choose_units(summary, options, policy.cost, policy.budget, keep_last)
     chosen = Blocks() if choice.prediction is None else ChosenUnits(choice)
     return replace(options, unit_policy=chosen), choice

@@ -73,6 +73,15 @@ def compute_after(computation, index: int) -> list[str]:
     ]
 
 
+def last_unit_stays(computation, param_of_arg: dict[str, str]) -> bool:
+    """Whether ZeRO-3 (``reshard_after_forward=None``) keeps the last unit gathered into the backward, read before
+    the units are made (what the step model prices the default units with): nothing computes after the forward's
+    last parameter read. :func:`plan_units` asks it of the last unit's last read; the two differ only where a
+    parameter of another unit is read after it (tied weights)."""
+    uses = first_and_last_use(computation, set(param_of_arg))
+    return not uses or not compute_after(computation, max(last for _, last in uses.values()))
+
+
 def _reshard(units: list[Unit], strategy: Strategy, override, notes: list[str], computation) -> list[Unit]:
     if override is None:
         zero3 = strategy is Strategy.ZERO3 and len(units) > 0
