@@ -58,7 +58,7 @@ from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.plan.auto_options import options_from_auto_plan, step_summary
 from fsdp_pass.plan.default_units import ChosenUnits, StepModelUnits, options_with_chosen_units
 from fsdp_pass.plan.options import FSDPOptions
-from fsdp_pass.plan.plan_units import last_unit_stays, plan_units
+from fsdp_pass.plan.plan_units import plan_units, trailing_compute_bytes
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
@@ -91,7 +91,7 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
         options, auto = options_from_auto_plan(summary, model, options)
     elif isinstance(options.unit_policy, StepModelUnits):
         options, choice = options_with_chosen_units(summary, model, options,
-                                                    last_unit_stays(computation, param_of_arg))
+                                                    trailing_compute_bytes(computation, param_of_arg))
     elif isinstance(options.unit_policy, ChosenUnits):  # a later compile: the first compile's choice, kept
         choice = options.unit_policy.choice
     plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree)

@@ -11,8 +11,8 @@ import pytest
 
 from fsdp_pass import FSDP, FSDPError
 from fsdp_pass.plan.cost_model import DEFAULTS
-from fsdp_pass.plan.default_units import StepModelUnits, choose_units
-from fsdp_pass.plan.step_model import Candidate, predict
+from fsdp_pass.plan.default_units import StepModelUnits, candidate, choose_units
+from fsdp_pass.plan.step_model import predict
 from fsdp_pass.plan.unit_policies import Blocks
 from fsdp_pass.plan.unit_search import block_starts
 from tests.dry_runs import model_dry_run
@@ -30,12 +30,6 @@ def blocks():
     return model_dry_run(2, "zero3")  # units="blocks" (tests/dry_runs.py), test_explain's
 
 
-def _zero3(starts):
-    """ZeRO-3 over these units: every unit resharded, the last too, as test_explain's model computes its loss after
-    it (plan_units' rule; the compiled plans' last units reshard, test_units)."""
-    return Candidate(tuple(starts), (True,) * len(starts), 1)
-
-
 def _neighbours(starts, n):
     """Every merge of two neighbouring units and every split of a unit at one of its pieces."""
     for u in range(1, len(starts)):
@@ -51,16 +45,25 @@ def test_the_default_units_are_the_step_models_fastest(default, blocks):
     assert plan.policy == "step_model" and choice.cost == CPU and choice.budget is None  # the CPU: no bound
     starts = tuple(sorted({min(i for i, p in enumerate(summary.pieces) if set(p.params) & set(u.params))
                            for u in plan.units}))
-    assert plan.units[-1].reshard_after_forward and blocks.explanation.plan.units[-1].reshard_after_forward
-    chosen = predict(summary, _zero3(starts), CPU)
+    options = default.fsdp.compiled_step.options
+
+    def zero3(units):  # ZeRO-3 over these units, the last one resharded where the loss after it outgrows it
+        return candidate(units, options, summary, choice.after_bytes)
+
+    # the compiled plans reshard as the priced candidates do (test_explain's model computes a cross-entropy after
+    # its head, larger than the head: one unit per block reshards every unit)
+    assert tuple(u.reshard_after_forward for u in plan.units) == zero3(starts).reshard
+    assert all(u.reshard_after_forward for u in blocks.explanation.plan.units)
+    assert zero3(block_starts(summary)).reshard == (True,) * len(block_starts(summary))
+    chosen = predict(summary, zero3(starts), CPU)
     # the compiled plan is the one priced, and it is faster than one unit per block (by the 2 % it must be)
     assert default.predict_step("cpu-gloo").step_s == pytest.approx(chosen.step_s)
-    per_block = predict(summary, _zero3(block_starts(summary)), CPU).step_s
+    per_block = predict(summary, zero3(block_starts(summary)), CPU).step_s
     assert blocks.predict_step("cpu-gloo").step_s == pytest.approx(per_block)
     assert chosen.step_s <= per_block * 0.98 and len(plan.units) < len(blocks.explanation.plan.units)
     # no single merge or split of the chosen units is predicted faster (the greedy search's end)
     n = len(summary.pieces)
-    assert all(predict(summary, _zero3(s), CPU).step_s >= chosen.step_s * (1 - 1e-3) for s in _neighbours(starts, n))
+    assert all(predict(summary, zero3(s), CPU).step_s >= chosen.step_s * (1 - 1e-3) for s in _neighbours(starts, n))
 
 
 def test_explain_prints_the_chosen_units_and_why(default, blocks):
@@ -86,11 +89,11 @@ def test_units_blocks_is_todays_plan(blocks):
 def test_the_choice_fits_the_budget_and_keeps_blocks_where_it_cannot_price(default):
     plan = default.fsdp.compiled_step.plan
     summary, options = plan.summary, default.fsdp.compiled_step.options
-    free = choose_units(summary, options, CPU, None, keep_last=False)  # the loss follows the last unit
+    free = choose_units(summary, options, CPU, None, plan.units_choice.after_bytes)
     assert free.groups == plan.units_choice.groups  # a pure function of the summary, options and cost inputs
     budget = free.blocks.peak_bytes  # one unit per block fits it, the unbounded choice does not
     assert free.prediction.peak_bytes > budget
-    bound = choose_units(summary, options, CPU, budget, keep_last=False)
+    bound = choose_units(summary, options, CPU, budget, plan.units_choice.after_bytes)
     assert bound.prediction.peak_bytes <= budget and bound.prediction.step_s <= bound.blocks.step_s
     for unpriced in (replace(options, schedule=None), replace(options, reshard_after_forward=lambda u: True)):
         kept = choose_units(summary, unpriced, CPU, None)

@@ -14,6 +14,7 @@ from torch import nn
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.report.step_stats import floor_bytes, step_stats
+from fsdp_pass.report.text import human_bytes
 from tests import llama_steps, models
 from tests.llama_steps import LAYERS, WORLD, functional_plan, functional_step, shared_functional_trace
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
@@ -162,41 +163,48 @@ def test_a_bad_unit_spec_fails_the_compile_with_a_clear_message():
 
 
 class _HeadLast(nn.Module):
-    """Two layers and a head. ``loss_inside``: the forward computes the cross-entropy after the head (a Hugging Face
-    model fed labels); else it returns the logits (the caller computes the loss). Both reshape the logits after the
-    head: a view, not compute."""
+    """Two layers and a head; the forward returns ``loss``: ``"cross_entropy"`` computed after the head (a Hugging
+    Face model fed labels), ``"square"``: the mean of the squared logits (a loss smaller than the head), or
+    ``"logits"`` (the caller computes the loss). Each reshapes the logits after the head: a view, not compute."""
 
-    def __init__(self, loss_inside: bool, d=16, vocab=37):
+    def __init__(self, loss: str, d=16, vocab=37):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
         self.head = nn.Linear(d, vocab, bias=False)
-        self.loss_inside = loss_inside
+        self.loss = loss
 
     def forward(self, x, y):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         logits = self.head(x).view(-1, self.head.out_features)
-        return nn.functional.cross_entropy(logits, y) if self.loss_inside else logits
+        if self.loss == "cross_entropy":
+            return nn.functional.cross_entropy(logits, y)
+        return logits.square().mean() if self.loss == "square" else logits
 
 
-@pytest.mark.parametrize("loss_inside, world", [(True, 1), (True, 2), (False, 2)])
-def test_zero3_keeps_the_last_unit_only_when_nothing_computes_after_it(loss_inside, world):
+@pytest.mark.parametrize("loss, world", [("cross_entropy", 1), ("cross_entropy", 2), ("square", 2), ("logits", 2)])
+def test_zero3_keeps_the_last_unit_unless_what_computes_after_it_outgrows_it(loss, world):
     """ZeRO-3 keeps the last unit gathered into the backward when the forward ends with it (the backward starts
-    with its gradient), and reshards it when the forward computes a loss after it (the backward starts with the
-    loss's gradient, where the step peaks: holding the head there costs its bytes at the peak), at world 1 too;
-    the plan's notes say which and why. Plans only (stages 1-3 on a functional trace): no lowering."""
+    with its gradient) or computes less after it than the unit holds (the unit's own backward holds as much); it
+    reshards it when the forward computes a larger loss after it (a cross-entropy's log-probabilities: the backward
+    starts with the loss's gradient, where the step peaks, and holding the head there costs its bytes at the peak),
+    at world 1 too; the plan's notes say which and why. Plans only (stages 1-3 on a functional trace)."""
     from fsdp_pass.functional import functional_trace, shard_functional_trace
 
     torch.manual_seed(0)
-    model = _HeadLast(loss_inside)
+    model = _HeadLast(loss)
     prologue, trace = functional_trace(model, torch.randn(8, 16), torch.randint(0, 37, (8,)))
     with fake_process_group(world) as group:
         _, plan = shard_functional_trace(prologue, trace, group, "zero3", units="blocks", model=model)
     *layers, head = plan.units
     assert [u.name for u in layers] == ["layers.0", "layers.1"] and all(u.reshard_after_forward for u in layers)
-    assert head.name == "head" and head.reshard_after_forward is loss_inside
+    assert head.name == "head" and head.reshard_after_forward is (loss == "cross_entropy")
     (note,) = [n for n in plan.notes if n.startswith("unit 'head'")]
-    if loss_inside:
-        assert "reshards after forward" in note and "cross_entropy" in note and "view" not in note, note
+    head_bytes = 37 * 16 * 4
+    if loss == "cross_entropy":
+        assert "reshards after forward" in note and "(cross_entropy, " in note and "view" not in note, note
+        assert f"outgrows the unit ({human_bytes(head_bytes)})" in note, note
+    elif loss == "square":
+        assert f"is no larger than the unit ({human_bytes(head_bytes)})" in note and "view" not in note, note
     else:
         assert "stays gathered after forward: nothing computes after its last use" in note, note

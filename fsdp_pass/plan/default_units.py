@@ -93,6 +93,8 @@ class UnitsChoice:
     reasons: tuple[str, ...]
     prediction: Prediction | None = None  # None: not priced, one unit per block
     blocks: Prediction | None = None  # one unit per block, priced the same way
+    # what the forward computes after its last parameter read: whether ZeRO-3 keeps each candidate's last unit
+    after_bytes: int = 0
 
     @property
     def kept_blocks(self) -> bool:
@@ -131,15 +133,19 @@ def _why_not_priced(options) -> str | None:
     return None
 
 
-def _candidate(starts: tuple[int, ...], options, keep_last: bool = True) -> Candidate:
+def candidate(starts: tuple[int, ...], options, summary: StepSummary, after_bytes: int = 0) -> Candidate:
     """``starts`` with the user's resharding, prefetch depth, checkpointing and offload (as plan_units applies
-    them: ZeRO-3 reshards every unit but the last the forward gathers, that one too unless ``keep_last``: the
-    forward computes after it, :func:`~fsdp_pass.plan.plan_units.last_unit_stays`; ZeRO-2 none)."""
+    them: ZeRO-3 reshards every unit but the last the forward gathers, that one too where what the forward
+    computes after it, ``after_bytes``, outgrows it: :func:`~fsdp_pass.plan.plan_units.keeps_last_unit`; ZeRO-2
+    none)."""
     from fsdp_pass.plan.options import constant_checkpoint_level
+    from fsdp_pass.plan.plan_units import keeps_last_unit
 
     k, override = len(starts), options.reshard_after_forward
     if override is None:
         zero3 = options.strategy is Strategy.ZERO3
+        last_bytes = sum(p.gathered_bytes for p in summary.pieces[starts[-1]:]) if k else 0
+        keep_last = keeps_last_unit(after_bytes, last_bytes)
         reshard = tuple(zero3 and (i < k - 1 or not keep_last) for i in range(k))
     else:
         reshard = (override,) * k
@@ -149,17 +155,17 @@ def _candidate(starts: tuple[int, ...], options, keep_last: bool = True) -> Cand
 
 
 def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None,
-                 keep_last: bool = True) -> UnitsChoice:
+                 after_bytes: int = 0) -> UnitsChoice:
     """The units with the fastest predicted step (fitting ``budget`` first) for the user's other ``options``
-    (module docstring, items 2-3); ``keep_last``: ZeRO-3 keeps the last unit gathered into the backward (nothing
-    computes after it in the forward)."""
+    (module docstring, items 2-3); ``after_bytes``: what the forward computes after its last parameter read
+    (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`), which decides whether ZeRO-3 keeps the last unit."""
     blocked = _why_not_priced(options) if summary.pieces else "the step reads no parameters"
     if blocked:
-        return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",))
+        return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",), after_bytes=after_bytes)
 
     def price(starts: tuple[int, ...]) -> Priced:
-        candidate = _candidate(starts, options, keep_last)
-        return Priced(candidate, predict(summary, candidate, cost), tuple(unit_names(summary, starts)))
+        priced = candidate(starts, options, summary, after_bytes)
+        return Priced(priced, predict(summary, priced, cost), tuple(unit_names(summary, starts)))
 
     search = greedy_units(summary, price, budget)
     if search.within_error:
@@ -173,15 +179,16 @@ def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | 
     chosen = search.chosen
     spans = chosen.candidate.spans(len(summary.pieces))
     groups = tuple((nm, tuple(p for i in s for p in summary.pieces[i].params)) for nm, s in zip(chosen.names, spans))
-    return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction)
+    return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction,
+                       after_bytes)
 
 
-def options_with_chosen_units(summary: StepSummary, model, options, keep_last: bool = True):
+def options_with_chosen_units(summary: StepSummary, model, options, after_bytes: int = 0):
     """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``;
-    ``keep_last``: as :func:`choose_units`."""
+    ``after_bytes``: as :func:`choose_units`."""
     policy = options.unit_policy
     if not policy.is_settled:  # not sharded by the transform (the functional path): this rank's device alone
         policy = policy.settled(getattr(model, "device", None), None)
-    choice = choose_units(summary, options, policy.cost, policy.budget, keep_last)
+    choice = choose_units(summary, options, policy.cost, policy.budget, after_bytes)
     chosen = Blocks() if choice.prediction is None else ChosenUnits(choice)
     return replace(options, unit_policy=chosen), choice

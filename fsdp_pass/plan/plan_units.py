@@ -30,6 +30,7 @@ from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_view_like
+from fsdp_pass.report.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
@@ -62,41 +63,71 @@ def _is_view(bsym) -> bool:
     return is_view_like(bsym) or bsym.sym.id in _VIEWS
 
 
-def compute_after(computation, index: int) -> list[str]:
+def _result_bytes(bsym) -> int:
+    """The bytes of the floating-point tensors ``bsym`` computes, counted over its decomposition's ops (a
+    ``cross_entropy``'s log-probabilities and what it takes of them), views left out."""
+    if bsym.subsymbols:
+        return sum(_result_bytes(s) for s in bsym.subsymbols)
+    if is_bookkeeping(bsym) or _is_view(bsym):
+        return 0
+    return sum(o.numel * o.dtype.bytes for o in bsym.flat_proxy_outs if is_float_tensor(o))
+
+
+def compute_after(computation, index: int) -> tuple[list[str], int]:
     """The ops of ``computation`` after op ``index`` that compute a floating-point tensor (not a view, a re-layout, a
-    shape query, an integer result or bookkeeping), by name in trace order: what the backward differentiates before
-    it reaches op ``index``."""
-    return [
-        b.sym.name
-        for b in computation.bound_symbols[index + 1:]
+    shape query, an integer result or bookkeeping), by name in trace order, and the bytes of what they compute:
+    what the backward differentiates before it reaches op ``index``, and about what its gradients take."""
+    ops = [
+        b for b in computation.bound_symbols[index + 1:]
         if not (is_bookkeeping(b) or _is_view(b)) and any(is_float_tensor(o) for o in b.flat_proxy_outs)
     ]
+    return [b.sym.name for b in ops], sum(_result_bytes(b) for b in ops)
 
 
-def last_unit_stays(computation, param_of_arg: dict[str, str]) -> bool:
-    """Whether ZeRO-3 (``reshard_after_forward=None``) keeps the last unit gathered into the backward, read before
-    the units are made (what the step model prices the default units with): nothing computes after the forward's
-    last parameter read. :func:`plan_units` asks it of the last unit's last read; the two differ only where a
-    parameter of another unit is read after it (tied weights)."""
+def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
+    """ZeRO-3's rule for the last unit the forward gathers (``reshard_after_forward=None``): keep it gathered into
+    the backward unless what the forward computes after its last use (``after_bytes``, :func:`compute_after`: a
+    loss computed inside the model) outgrows the unit (``unit_bytes``, gathered). The backward starts with those
+    ops' gradients, about as large as their results; where they are larger than the unit, the step peaks there
+    and a kept unit adds its bytes to that peak, so it reshards and is gathered again before its first use. Where
+    they are not (nothing after it; a small loss such as a mean squared error), the unit's own backward holds as
+    much (the unit and its gradients), so keeping it raises no peak and saves a gather."""
+    return after_bytes <= unit_bytes
+
+
+def trailing_compute_bytes(computation, param_of_arg: dict[str, str]) -> int:
+    """The bytes :func:`compute_after` counts after the forward's last parameter read: what the step model prices
+    the default units' last unit against (:func:`keeps_last_unit`). :func:`plan_units` asks it of the last unit's
+    last read; the two differ only where a parameter of another unit is read after it (tied weights)."""
     uses = first_and_last_use(computation, set(param_of_arg))
-    return not uses or not compute_after(computation, max(last for _, last in uses.values()))
+    return compute_after(computation, max(last for _, last in uses.values()))[1] if uses else 0
 
 
-def _reshard(units: list[Unit], strategy: Strategy, override, notes: list[str], computation) -> list[Unit]:
+def _reshard(units: list[Unit], sharding: ShardingPlan, options: FSDPOptions, notes: list[str], computation) -> list[Unit]:
+    override = options.reshard_after_forward
+    strategy = sharding.strategy
     if override is None:
         zero3 = strategy is Strategy.ZERO3 and len(units) > 0
-        after = compute_after(computation, units[-1].last_use) if zero3 else []
-        keep_last = zero3 and not after
+        last = units[-1] if zero3 else None
+        after, after_bytes = compute_after(computation, last.last_use) if zero3 else ([], 0)
+        gathered_dtype = getattr(options.mixed_precision, "param_dtype", None)  # as the step summary counts it
+        unit_bytes = sum(sharding.param(p).nbytes(gathered_dtype) for p in last.params) if zero3 else 0
+        keep_last = zero3 and keeps_last_unit(after_bytes, unit_bytes)
         flags = [zero3 and not (keep_last and i == len(units) - 1) for i in range(len(units))]
-        if keep_last:
-            notes.append(f"unit {units[-1].name!r} stays gathered after forward: nothing computes after its last use, "
+        shown = list(dict.fromkeys(after))
+        ops = f"{', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}"
+        if keep_last and not after:
+            notes.append(f"unit {last.name!r} stays gathered after forward: nothing computes after its last use, "
                          "so the backward needs it first")
+        elif keep_last:
+            notes.append(f"unit {last.name!r} stays gathered after forward: what computes after its last use ({ops}, "
+                         f"{human_bytes(after_bytes)}) is no larger than the unit ({human_bytes(unit_bytes)}), so the "
+                         "backward's peak is not above it")
         elif zero3:
-            shown = list(dict.fromkeys(after))
             notes.append(
-                f"unit {units[-1].name!r} reshards after forward although the forward gathers it last: "
-                f"{len(after)} op(s) compute after its last use ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}), "
-                "whose gradients the backward computes first without it; it is gathered again before its first use"
+                f"unit {last.name!r} reshards after forward although the forward gathers it last: what computes "
+                f"after its last use ({ops}, {human_bytes(after_bytes)}) outgrows the unit ({human_bytes(unit_bytes)}); "
+                "the backward computes its gradients first, without the unit, and gathers it again before its first use"
             )
     elif isinstance(override, bool):
         flags = [override] * len(units)
@@ -150,7 +181,7 @@ def plan_units(
         for name, params in _split_by_dtype(groups, sharding, notes)
     ]
     units.sort(key=lambda u: u.first_use)
-    units = _reshard(units, sharding.strategy, options.reshard_after_forward, notes, computation)
+    units = _reshard(units, sharding, options, notes, computation)
     units = [replace(u, checkpoint=checkpoint_level(options.checkpoint_activations(u))) for u in units]
     return UnitPlan(
         sharding=sharding,
