@@ -18,7 +18,9 @@ as a *buffer*:
    collective's result;
 4. a buffer is freed after the last op that reads any name sharing it. What the forward returns (its
    output and what it saves for the backward) lives on into the backward, until the backward's last
-   use of it; what the backward returns (the gradient shards) lives to the end of the step;
+   use of it; what the backward does not read (the forward's output: the logits, which the loss consumed) is
+   not counted there, as the caller frees it (a caller that keeps it holds it on top of the peak); what the
+   backward returns (the gradient shards) lives to the end of the step;
 5. the gradients of the forward's outputs that the backward receives (its ``cotangents``: the logits'
    gradient when the loss is computed outside the model) are live from its start to their last use: Thunder's
    split autograd (``ThunderOutputFunction`` in ``thunder/executors/torch_autograd.py``) hands them over in a
@@ -302,6 +304,7 @@ def trace_memory(trace, carried_in: dict[str, Buffer] | None = None, received=()
         followed.op(b, i)
     end = len(trace.bound_symbols)
     returned_buffers = {followed.buffer_of[n] for n in followed.handed_on_names}
+    carried = {buf.name for buf in (carried_in or {}).values()}
     buffers = tuple(
         Buffer(
             k,
@@ -312,6 +315,7 @@ def trace_memory(trace, carried_in: dict[str, Buffer] | None = None, received=()
             *followed.written_by[k],
         )
         for k in followed.size
+        if not (k in carried and followed.last[k] < 0 and k not in returned_buffers)  # rule 4: not read here
     ) + tuple(Buffer(name, nbytes, OTHER, -1, -1, CALLER_LOSS) for name, nbytes in before)
     peak, peak_at, peak_by_kind = _peak(buffers)
     by_id = {buf.name: buf for buf in buffers}
