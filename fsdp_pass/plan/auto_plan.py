@@ -78,10 +78,14 @@ def plan_step(
     offload: bool | None = None,
     prefetch_depths=PREFETCH_DEPTHS,
     checkpointing: bool = True,
+    after_bytes: int = 0,
 ) -> AutoPlan:
     """The fastest predicted plan whose predicted peak is within ``budget`` bytes (module docstring).
     ``offload``: None lets the planner turn it on when nothing fits without; True or False decides it.
-    ``checkpointing``: whether units may checkpoint their activations when nothing fits without."""
+    ``checkpointing``: whether units may checkpoint their activations when nothing fits without.
+    ``after_bytes``: what the forward computes after its last parameter read
+    (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`): the hand-written ZeRO-3 plan it is compared
+    with keeps its last unit as ``plan_units`` would (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`)."""
     check(len(summary.pieces) > 0, "The step reads no parameters: there is nothing to plan.",
           "Plan a model whose forward reads its parameters.")
     check(budget is None or budget > 0, f"memory_budget={budget!r} is not a positive number of bytes.",
@@ -131,7 +135,7 @@ def plan_step(
     elif checkpointing and budget is not None:
         reasons.append("no unit checkpoints its activations: the plan fits without")
     return AutoPlan(summary, best.candidate, best.names, best.prediction, budget, cost, tuple(reasons),
-                    _compared(summary, cost, best.candidate.offload))
+                    _compared(summary, cost, best.candidate.offload, after_bytes))
 
 
 def _no_planfits(summary: StepSummary, cost: CostInputs, budget: int, offload: bool, checkpointing: bool):
@@ -146,10 +150,14 @@ def _no_planfits(summary: StepSummary, cost: CostInputs, budget: int, offload: b
     )
 
 
-def _compared(summary: StepSummary, cost: CostInputs, offload: bool) -> tuple[tuple[str, Prediction], ...]:
+def _compared(summary: StepSummary, cost: CostInputs, offload: bool,
+              after_bytes: int = 0) -> tuple[tuple[str, Prediction], ...]:
+    from fsdp_pass.plan.plan_units import keeps_last_unit
+
     starts = block_starts(summary)
     k = len(starts)
-    zero3 = Candidate(starts, (True,) * (k - 1) + (False,), 1, offload)
+    keep = keeps_last_unit(after_bytes, sum(p.gathered_bytes for p in summary.pieces[starts[-1]:]))
+    zero3 = Candidate(starts, (True,) * (k - 1) + (not keep,), 1, offload)
     zero2 = Candidate(starts, (False,) * k, 1, offload)
     return (("blocks, ZeRO-3, prefetch 1", predict(summary, zero3, cost)),
             ("blocks, ZeRO-2, prefetch 1", predict(summary, zero2, cost)))
