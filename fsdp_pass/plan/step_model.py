@@ -166,7 +166,8 @@ def kept_and_recompute(summary: StepSummary, span: range, level: str, cost: Cost
     flops, ops, moved = sum(p.flops for p in ps), sum(p.ops for p in ps), sum(p.moved_bytes for p in ps)
     if level == FULL:
         return min(every, read_later), cost.compute_seconds(flops, EXECUTED_OPS_PER_TRACE_OP * ops, moved)
-    kept = min(every, read_later + sum(p.matmul_activation_bytes for p in ps))
+    both = sum(b for p in ps for reader, b in p.matmul_read_later if reader >= span.stop)  # counted once
+    kept = min(every, read_later + sum(p.matmul_activation_bytes for p in ps) - both)
     rest_ops = EXECUTED_OPS_PER_TRACE_OP * (ops - sum(p.matmul_ops for p in ps))
     return kept, cost.compute_seconds(flops - sum(p.matmul_flops for p in ps), rest_ops, moved)
 
