@@ -86,6 +86,12 @@ class Piece:
     scores_bytes: int = 0  # the largest b·h·s·s scores of an attention computed op by op (its backward's working set)
     # (the last piece that reads them, bytes): the part of ``read_later`` that ``matmul_activation_bytes`` counts too
     matmul_read_later: tuple[tuple[int, int], ...] = ()
+    # whether its ops keep one of its parameters for the backward (else a resharded unit of such pieces is not
+    # gathered again: an embedding's gradient reads its indices only)
+    backward_reads_params: bool = True
+    # its unsharded gradients as the backward makes them, in the gathered dtype (0: ``grad_bytes``), before they are
+    # packed in the reduce dtype
+    compute_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class StepSummary:
     optimizer: Optimizer = ADAMW  # what steps the shards: its states per element and its time (plan.optimizers)
     output_bytes: int = 0  # the forward's floating-point results: their gradients live through the backward
     replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
+    fused: bool = False  # a fusion executor runs the elementwise ops (the CUDA lowering): step_model's working set
 
     @property
     def shard_bytes(self) -> int:
@@ -194,6 +201,7 @@ class _Tally:
     matmul_acts: list
     escaping: list  # per piece: {last reading piece: bytes}
     matmul_escaping: list  # per piece: the part of ``escaping`` in ``matmul_acts``
+    reads_params: list  # per piece: whether an op keeps one of its parameters for the backward
     scores: list  # per piece: the largest scores of an attention computed op by op
 
 
@@ -203,7 +211,7 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
     left out), kept bytes (all, and those matmuls make; ``fuses``: as a fusion executor keeps them,
     :mod:`~fsdp_pass.plan.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
     the piece whose parameter the trace read last before it."""
-    t = _Tally(*([0] * n for _ in range(11)))
+    t = _Tally(*([0] * n for _ in range(12)))
     t.flops, t.matmul_flops = [0.0] * n, [0.0] * n
     t.escaping, t.matmul_escaping = [{} for _ in range(n)], [{} for _ in range(n)]
     if n == 0:  # a model without parameters: no piece to charge
@@ -274,6 +282,10 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
         for name in keeps:
             kept.add(name)
             kept_in.setdefault(name, set()).add(current)
+        for i in (*saved.inputs, *saved.converted):  # a parameter, or its conversion: read by the backward
+            name = base.get(args[i].name, args[i].name)
+            if name in piece_of_arg:
+                t.reads_params[piece_of_arg[name]] = 1
         if fused_away or (fuses and is_copy(bsym)):
             for o in outs:
                 (elementwise_inputs if fused_away else copy_inputs)[o.name] = tuple(base.get(p.name, p.name) for p in args)
@@ -350,10 +362,12 @@ def summarize(
             tuple(sorted(t.escaping[i].items())),
             t.scores[i],
             tuple(sorted(t.matmul_escaping[i].items())),
+            bool(t.reads_params[i]),
+            nbytes(params, precision.param_dtype),
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer, _tensor_bytes(outputs), replicas)
+    return StepSummary(pieces, sharding.world_size, optimizer, _tensor_bytes(outputs), replicas, fuses)
 
 
 def _outputs(computation) -> list[TensorProxy]:
