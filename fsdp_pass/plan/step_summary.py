@@ -343,6 +343,14 @@ def summarize(
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).nbytes(dtype) for p in params)
 
+    # a tied parameter's reads are its owner's (a tied head's backward reads the embedding's weight, which the
+    # embedding's unit gathers): a piece reading its tied parameters marks their owners' pieces too
+    reads_params = list(t.reads_params)
+    for i, (_, _, params) in enumerate(found):
+        for p in params if t.reads_params[i] else ():
+            if sharding.param(p).shard_of in index_of_param:
+                reads_params[index_of_param[sharding.param(p).shard_of]] = 1
+
     pieces = tuple(
         Piece(
             name,
@@ -362,7 +370,7 @@ def summarize(
             tuple(sorted(t.escaping[i].items())),
             t.scores[i],
             tuple(sorted(t.matmul_escaping[i].items())),
-            bool(t.reads_params[i]),
+            bool(reads_params[i]),
             nbytes(params, precision.param_dtype),
         )
         for i, (name, block, params) in enumerate(found)
