@@ -24,8 +24,11 @@ Read off the functional forward trace, before any rewriting:
    parameter read make or read (a residual add after the last matmul, the next norm's reduction: outside what a
    checkpointed unit recomputes), which a checkpointed unit keeps. On a fusion executor (the CUDA lowering) the
    elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.plan.fused_saves`), and
-   selective checkpointing keeps what none keeps (the fused kernels recompute the ops between the matmuls in
-   both: the dry run's traces of the zoo's Llama keep the same bytes per layer at both levels).
+   selective checkpointing keeps what the chains through the copies start from too (the fused kernels recompute
+   the ops between the matmuls at both levels; the selective level the copies as well: grouped-query attention's
+   k and v projections, not their repeated copies), ``matmul_read_later`` the part of ``read_later`` it counts.
+   ``backward_reads_params``: whether its ops keep one of its parameters (or a tied one's) for the backward
+   (else its unit is not gathered again); ``compute_grad_bytes`` its gradients in the gathered dtype.
    ``scores_bytes``: an attention computed op by op, its scores (its backward makes two gradients as large).
    The dry run's traced peak (``explain()``) is the check.
 
