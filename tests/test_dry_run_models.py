@@ -285,7 +285,7 @@ def test_the_step_model_keeps_per_layer_what_the_bf16_gqa_lowering_keeps(level):
     modelled = {u: kept_and_recompute(summary, range(ix[0], ix[-1] + 1), level, DEFAULTS["h100-nvlink"])[0]
                 for u, ix in spans.items()}
     cfg = zoo.CONFIGS["tiny"]
-    lse = cfg.local_batch * 4 * 64 * 4  # the fused attention's float32 log-sum-exp (4 heads), which the model leaves out
+    lse = cfg.local_batch * 4 * 64 * 4  # the fused attention's float32 log-sum-exp (4 heads): the model leaves it out
     row_statistic = cfg.local_batch * 64 * 2 if level == "selective" else 0
     layers = ["model.layers.0", "model.layers.1"]
     over = {u: modelled[u] + lse - traced[u] for u in layers}

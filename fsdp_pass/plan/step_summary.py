@@ -291,7 +291,8 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
                 t.reads_params[piece_of_arg[name]] = 1
         if fused_away or (fuses and is_copy(bsym)):
             for o in outs:
-                (elementwise_inputs if fused_away else copy_inputs)[o.name] = tuple(base.get(p.name, p.name) for p in args)
+                read = tuple(base.get(p.name, p.name) for p in args)
+                (elementwise_inputs if fused_away else copy_inputs)[o.name] = read
         t.acts[current] += 0 if fused_away else saved.inside_bytes
         if matmul:
             t.matmul_acts[current] += saved.inside_bytes
