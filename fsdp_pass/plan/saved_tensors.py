@@ -43,6 +43,10 @@ class Saved:
     inputs: tuple[int, ...]  # positions among the op's tensor arguments (``flat_proxy_args`` order)
     outputs: tuple[int, ...]  # positions among its tensor outputs
     inside_bytes: int  # tensors made inside the op (its decomposition's intermediates)
+    # positions of the tensor arguments kept as a dtype conversion of themselves (a bfloat16 argument's float32
+    # upcast, whose bytes are in ``inside_bytes``): a fusion executor recomputes the conversion in the backward's
+    # kernel, and keeps the argument instead (fused_saves)
+    converted: tuple[int, ...] = ()
 
 
 _CACHE: dict = {}
@@ -71,8 +75,9 @@ def _executors():
     return tuple(thunder.get_default_executors())
 
 
-def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors) -> tuple[list[str], list[str], list[TensorProxy]]:
-    """(argument names, output names, kept tensors) of the op traced alone and differentiated by Thunder."""
+def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors):
+    """(argument names, output names, kept tensors, {a kept tensor's name: the argument it converts}) of the op
+    traced alone and differentiated by Thunder."""
     import thunder
     from thunder.common import CompileData
     from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
@@ -100,16 +105,26 @@ def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors) -> tuple[list[st
     (own_ret,) = [b for b in trace.bound_symbols if is_return(b)]
     outs, _ = tree_flatten(own_ret.args[0]["output"])
     viewed: dict[str, TensorProxy] = {}  # a view's name -> the tensor whose memory it shares
+    converts: dict[str, str] = {}  # a dtype conversion's (or a view of one's) name -> the tensor it converts
     for b in forward.bound_symbols:
         src = [p for p in b.flat_proxy_args if isinstance(p, TensorProxy)]
+        if not src:
+            continue
+        first = viewed.get(src[0].name, src[0])
         # a view, or a shallow copy (a new name for the same tensor: a decomposed attention keeps its
         # probabilities under two names, which counted its b*h*s*s scores twice)
-        if (is_view_like(b) or b.sym.id == prims.PrimIDs.SHALLOW_COPY) and src:
+        if is_view_like(b) or b.sym.id == prims.PrimIDs.SHALLOW_COPY:
             for o in b.flat_proxy_outs:
                 if isinstance(o, TensorProxy):
-                    viewed[o.name] = viewed.get(src[0].name, src[0])
+                    viewed[o.name] = first
+                    if src[0].name in converts:
+                        converts[o.name] = converts[src[0].name]
+        elif b.sym.id == prims.PrimIDs.CONVERT_ELEMENT_TYPE:
+            converts[b.output.name] = converts.get(first.name, first.name)
     kept = [viewed.get(t.name, t) for t in kept if isinstance(t, TensorProxy)]
-    return [p.name for p in trace.args], [o.name for o in outs if isinstance(o, TensorProxy)], kept
+    arg_names = [p.name for p in trace.args]
+    converted = {t.name: converts[t.name] for t in kept if converts.get(t.name) in arg_names}
+    return arg_names, [o.name for o in outs if isinstance(o, TensorProxy)], kept, converted
 
 
 def saved_by_op(bsym, needs_grad) -> Saved | None:
@@ -123,13 +138,13 @@ def saved_by_op(bsym, needs_grad) -> Saved | None:
     key = _key(bsym, grads, executors)
     if key not in _CACHE:
         try:
-            arg_names, out_names, kept = _kept_of_op_alone(bsym, grads, executors)
+            arg_names, out_names, kept, converted = _kept_of_op_alone(bsym, grads, executors)
         except Exception:  # an op Thunder cannot differentiate on its own (a custom op, a data-dependent one)
             _CACHE[key] = None
         else:
             position = {n: i for i, n in enumerate(arg_names)}
             out_position = {n: i for i, n in enumerate(out_names)}
-            ins, outs, inside, seen = [], [], 0, set()
+            ins, outs, inside, seen, conv = [], [], 0, set(), set()
             for t in kept:
                 if t.name in seen:
                     continue
@@ -140,5 +155,7 @@ def saved_by_op(bsym, needs_grad) -> Saved | None:
                     outs.append(out_position[t.name])
                 else:
                     inside += int(t.numel) * t.dtype.bytes
-            _CACHE[key] = Saved(tuple(sorted(ins)), tuple(sorted(outs)), inside)
+                    if t.name in converted:
+                        conv.add(position[converted[t.name]])
+            _CACHE[key] = Saved(tuple(sorted(ins)), tuple(sorted(outs)), inside, tuple(sorted(conv)))
     return _CACHE[key]

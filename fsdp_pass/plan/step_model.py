@@ -12,7 +12,8 @@ program order (as one CUDA stream each, or gloo's worker), as the scheduled trac
    the gather ``depth`` places before it arrives (its unit's depth, ``Candidate.depth_of``; at the top for
    the first ones), or, with depth 0, when the unit is about to compute; the leading units that stay
    gathered for the backward all at the top; the unit computes once its gather has arrived;
-2. backward, in reverse: the units that resharded are gathered again, the depth counted among these gathers
+2. backward, in reverse: the units that resharded are gathered again where their backward reads their parameters
+   (``Piece.backward_reads_params``: an embedding's does not), the depth counted among these gathers
    (so the first is issued at the top of the backward, whatever the kept units before it); each unit's
    gradients are reduce-scattered when its backward ends (twice the forward's FLOPs), after the wait for the
    reduce-scatter two units back (two in flight, the default schedule);
@@ -48,7 +49,8 @@ Memory, per rank, at the end of each unit's forward and at both ends of its back
   the gradient of the forward's output, which the autograd engine holds through the whole backward, and the
   larger of the unit's two ends: its start (its gathered parameters, its activations, and its working set:
   :data:`WORKING_RESULTS` times its largest forward result, the gradient an op receives, the one it makes, a
-  temporary; checkpointed, what it recomputed) and its end (its gradients and the flat buffer they are packed into, twice its gradient bytes,
+  temporary, one of them under fusion, :data:`FUSED_WORKING_RESULTS`; checkpointed, what it recomputed) and its end
+  (its gradients in the gathered dtype and the flat buffer they are packed into in the reduce dtype,
   its parameters and activations freed: the ops that make the gradients read them for the last time).
 
 Not modelled: ``Schedule.max_unused_bytes``, scratch memory inside an op, fusion (a fused region is one op with
@@ -75,6 +77,14 @@ OPS_PER_COLLECTIVE = 4
 # the backward's working set, in a unit's largest forward result: the gradient an op receives, the one it makes and
 # a temporary as large (the bench model's loss: the logits' gradient, log-softmax's and nll's; the traces, 2026-11-25)
 WORKING_RESULTS = 3
+# the same where a fusion executor runs the elementwise ops (the CUDA lowering): the gradient of the largest result,
+# which a fused kernel writes for the matmul after it, the temporaries staying inside the kernel; beside it the
+# parameter gradients the unit's backward has made so far (``_working``). Llama-3-8B's shape, 4 layers, 2 x 8192
+# tokens, bf16, selective: the head's backward is one fused region reading the 4 GiB saved logits and writing the
+# head's weight gradient; with 3 x 4 GiB counted the model was 10.6 GiB over the traced peak, now 3.8 GiB over, the
+# logits' gradient, which the region holds for its matmuls and the traces cannot see inside it. Llama-2-7B's shape,
+# 4 layers, 2 x 4096 tokens, none: 6.56 GiB against a traced 6.57 (before: 6.98)
+FUSED_WORKING_RESULTS = 1
 # an attention computed op by op: its backward makes the gradients of its probabilities and of its scores, each as
 # large as the scores (the tiny Llama's CPU lowering at 1024 tokens: two b*h*s*s buffers live at its backward's peak)
 SCORE_GRADIENTS = 2
@@ -114,12 +124,20 @@ class UnitCost:
     working: int = 0  # its backward's gradients of activations and temporaries
     recomputed: int = 0  # checkpointed: what its backward recomputes before it starts (``activations``: what it keeps)
     recompute_s: float = 0.0  # the time that takes
+    # its backward reads its parameters: resharded, it is gathered again (an embedding's is not: its gradient reads
+    # the indices only, and Thunder's autodiff gathers a unit again only where the backward reads it)
+    reads_params: bool = True
+    compute_grads: int = 0  # its gradients as the backward makes them, in the gathered dtype (0: ``grads``)
 
     def forward_total_s(self) -> float:
         return self.forward_s + self.gather_ops_s
 
-    def backward_total_s(self, gathers_again: bool) -> float:
-        return 2 * self.forward_s + self.recompute_s + self.reduce_ops_s + (self.gather_ops_s if gathers_again else 0.0)
+    def gathered_again(self, reshards: bool) -> bool:
+        return reshards and self.reads_params
+
+    def backward_total_s(self, reshards: bool) -> float:
+        again = self.gathered_again(reshards)
+        return 2 * self.forward_s + self.recompute_s + self.reduce_ops_s + (self.gather_ops_s if again else 0.0)
 
 
 @dataclass(frozen=True)
@@ -166,7 +184,8 @@ def kept_and_recompute(summary: StepSummary, span: range, level: str, cost: Cost
     flops, ops, moved = sum(p.flops for p in ps), sum(p.ops for p in ps), sum(p.moved_bytes for p in ps)
     if level == FULL:
         return min(every, read_later), cost.compute_seconds(flops, EXECUTED_OPS_PER_TRACE_OP * ops, moved)
-    kept = min(every, read_later + sum(p.matmul_activation_bytes for p in ps))
+    both = sum(b for p in ps for reader, b in p.matmul_read_later if reader >= span.stop)  # counted once
+    kept = min(every, read_later + sum(p.matmul_activation_bytes for p in ps) - both)
     rest_ops = EXECUTED_OPS_PER_TRACE_OP * (ops - sum(p.matmul_ops for p in ps))
     return kept, cost.compute_seconds(flops - sum(p.matmul_flops for p in ps), rest_ops, moved)
 
@@ -195,22 +214,28 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)),
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)),
-                _working(ps),
+                _working(ps, summary.fused),
                 every - kept,
                 recompute_s,
+                any(p.backward_reads_params for p in ps),
+                sum(p.compute_grad_bytes or p.grad_bytes for p in ps),
             )
         )
     return out
 
 
-def _working(ps) -> int:
+def _working(ps, fused: bool = False) -> int:
     """The most a unit's backward holds beyond all of its activations (kept and recomputed): walking its pieces
     last first, each piece's working set (:data:`WORKING_RESULTS` times its largest result, or an attention's
-    score gradients) while its own and its earlier pieces' activations are live, the later pieces' freed."""
+    score gradients) while its own and its earlier pieces' activations are live, the later pieces' freed. Under
+    fusion (``fused``) :data:`FUSED_WORKING_RESULTS` times its largest result, and the parameter gradients its
+    own and the later pieces' backward made, which live until the unit's end packs them."""
     every = sum(p.activation_bytes for p in ps)
-    live, most = every, 0
+    live, most, grads = every, 0, 0
+    results = FUSED_WORKING_RESULTS if fused else WORKING_RESULTS
     for p in reversed(ps):
-        piece = max(WORKING_RESULTS * p.largest_result_bytes, SCORE_GRADIENTS * p.scores_bytes)
+        grads += (p.compute_grad_bytes or p.grad_bytes) if fused else 0
+        piece = max(results * p.largest_result_bytes, SCORE_GRADIENTS * p.scores_bytes) + grads
         most = max(most, live + piece - every)
         live -= p.activation_bytes
     return most
@@ -237,23 +262,24 @@ def _issue_anchors(seq: list[int], candidate: Candidate) -> list[int]:
     return [max(t - candidate.depth_of(u), -1) if candidate.depth_of(u) > 0 else t for t, u in enumerate(seq)]
 
 
-def _gather_orders(candidate: Candidate, k: int) -> tuple[list[int], list[int], list[int], list[int]]:
+def _gather_orders(candidate: Candidate, units: list[UnitCost]) -> tuple[list[int], list[int], list[int], list[int]]:
     """(forward gathers, their anchors, backward gathers, their anchors). The forward gathers every unit; the
     leading units kept for the backward are all issued at the top (``Schedule.kept_units_first``). The
-    backward gathers again the units that resharded, last unit first."""
+    backward gathers again the units that resharded and whose backward reads their parameters, last unit first."""
+    k = len(units)
     forward = list(range(k))
     anchors = _issue_anchors(forward, candidate)
     for t in range(k):
         if candidate.reshard[t]:
             break
         anchors[t] = -1
-    backward = [j for j in range(k - 1, -1, -1) if candidate.reshard[j]]
+    backward = [j for j in range(k - 1, -1, -1) if units[j].gathered_again(candidate.reshard[j])]
     return forward, anchors, backward, _issue_anchors(backward, candidate)
 
 
 def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs) -> float:
     k, off = len(units), candidate.offload
-    forward, f_anchor, backward, b_anchor = _gather_orders(candidate, k)
+    forward, f_anchor, backward, b_anchor = _gather_orders(candidate, units)
     comm = 0.0  # when the communication queue is free
     compute = 0.0  # when the compute queue is free
 
@@ -295,7 +321,8 @@ def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs)
         comm = max(comm, compute) + units[j].reduce_s + _host_copy_s(units[j].shard, cost, off)
         reduced.append(comm)
     both_done = max(compute, comm)
-    communication = sum(u.gather_s * (2 if r else 1) + u.reduce_s for u, r in zip(units, candidate.reshard))
+    communication = sum(u.gather_s * (2 if u.gathered_again(r) else 1) + u.reduce_s
+                        for u, r in zip(units, candidate.reshard))
     communication += sum(2 * _host_copy_s(u.shard, cost, off) for u in units)
     beside_compute = max(communication - (both_done - compute_seconds(units, candidate)), 0.0)
     return both_done + (1 - cost.overlap) * beside_compute
@@ -333,7 +360,7 @@ def peak_of(
     units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0
 ) -> tuple[int, str]:
     k = len(units)
-    forward, f_anchor, backward, b_anchor = _gather_orders(candidate, k)
+    forward, f_anchor, backward, b_anchor = _gather_orders(candidate, units)
     f_unused, b_unused = _issued_unused(forward, f_anchor, units), _issued_unused(backward, b_anchor, units)
     best, where = persistent, "between steps"
     acts = 0
@@ -348,18 +375,22 @@ def peak_of(
     latest_wait = -1  # the backward gathers waited for so far
     reduced = 0  # the gradient shards the backward has made so far
     for j in range(k - 1, -1, -1):
+        gathered = units[j].gathered  # kept since its forward, or gathered again
         if not candidate.reshard[j]:
             kept -= units[j].gathered
-        else:
+        elif units[j].reads_params:
             latest_wait += 1
+        else:
+            gathered = 0
         ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT])
         common = persistent + reduced + kept + ahead + in_flight + output_grad
         # its backward starts with its parameters gathered, its activations kept and the gradients of its largest
         # results being made, and ends with its gradients packed for the reduce-scatter, the rest freed: each op
         # of it that makes a gradient frees what it read
-        start = units[j].gathered + acts + units[j].recomputed + units[j].working
-        live = common + max(start, acts - units[j].activations + 2 * units[j].grads)
+        start = gathered + acts + units[j].recomputed + units[j].working
+        made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
+        live = common + max(start, acts - units[j].activations + made + units[j].grads)
         if live > best:
             best, where = live, f"backward of {names[j]}"
         acts -= units[j].activations

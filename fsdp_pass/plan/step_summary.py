@@ -24,8 +24,11 @@ Read off the functional forward trace, before any rewriting:
    parameter read make or read (a residual add after the last matmul, the next norm's reduction: outside what a
    checkpointed unit recomputes), which a checkpointed unit keeps. On a fusion executor (the CUDA lowering) the
    elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.plan.fused_saves`), and
-   selective checkpointing keeps what none keeps (the fused kernels recompute the ops between the matmuls in
-   both: the dry run's traces of the zoo's Llama keep the same bytes per layer at both levels).
+   selective checkpointing keeps what the chains through the copies start from too (the fused kernels recompute
+   the ops between the matmuls at both levels; the selective level the copies as well: grouped-query attention's
+   k and v projections, not their repeated copies), ``matmul_read_later`` the part of ``read_later`` it counts.
+   ``backward_reads_params``: whether its ops keep one of its parameters (or a tied one's) for the backward
+   (else its unit is not gathered again); ``compute_grad_bytes`` its gradients in the gathered dtype.
    ``scores_bytes``: an attention computed op by op, its scores (its backward makes two gradients as large).
    The dry run's traced peak (``explain()``) is the check.
 
@@ -55,7 +58,7 @@ from dataclasses import dataclass
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from fsdp_pass.plan.fused_saves import is_elementwise, kept_after_fusion
+from fsdp_pass.plan.fused_saves import is_copy, is_elementwise, kept_after_fusion
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.op_flops import estimated_flops, is_attention, is_matmul_like
@@ -84,6 +87,14 @@ class Piece:
     # (the last piece that reads them, bytes): its results read by later pieces, which a checkpointed unit keeps
     read_later: tuple[tuple[int, int], ...] = ()
     scores_bytes: int = 0  # the largest b·h·s·s scores of an attention computed op by op (its backward's working set)
+    # (the last piece that reads them, bytes): the part of ``read_later`` that ``matmul_activation_bytes`` counts too
+    matmul_read_later: tuple[tuple[int, int], ...] = ()
+    # whether its ops keep one of its parameters for the backward (else a resharded unit of such pieces is not
+    # gathered again: an embedding's gradient reads its indices only)
+    backward_reads_params: bool = True
+    # its unsharded gradients as the backward makes them, in the gathered dtype (0: ``grad_bytes``), before they are
+    # packed in the reduce dtype
+    compute_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,7 @@ class StepSummary:
     optimizer: Optimizer = ADAMW  # what steps the shards: its states per element and its time (plan.optimizers)
     output_bytes: int = 0  # the forward's floating-point results: their gradients live through the backward
     replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
+    fused: bool = False  # a fusion executor runs the elementwise ops (the CUDA lowering): step_model's working set
 
     @property
     def shard_bytes(self) -> int:
@@ -191,6 +203,8 @@ class _Tally:
     acts: list
     matmul_acts: list
     escaping: list  # per piece: {last reading piece: bytes}
+    matmul_escaping: list  # per piece: the part of ``escaping`` in ``matmul_acts``
+    reads_params: list  # per piece: whether an op keeps one of its parameters for the backward
     scores: list  # per piece: the largest scores of an attention computed op by op
 
 
@@ -200,8 +214,9 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
     left out), kept bytes (all, and those matmuls make; ``fuses``: as a fusion executor keeps them,
     :mod:`~fsdp_pass.plan.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
     the piece whose parameter the trace read last before it."""
-    t = _Tally(*([0] * n for _ in range(10)))
-    t.flops, t.matmul_flops, t.escaping = [0.0] * n, [0.0] * n, [{} for _ in range(n)]
+    t = _Tally(*([0] * n for _ in range(12)))
+    t.flops, t.matmul_flops = [0.0] * n, [0.0] * n
+    t.escaping, t.matmul_escaping = [{} for _ in range(n)], [{} for _ in range(n)]
     if n == 0:  # a model without parameters: no piece to charge
         return t
     made_in: dict[str, int] = {}  # a result's name -> the piece whose op made it
@@ -213,6 +228,7 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
     last_read: dict[str, int] = {}
     differentiated: set[str] = set()  # the results that depend on a parameter (the trace marks parameters only)
     elementwise_inputs: dict[str, tuple[str, ...]] = {}  # under fusion: an elementwise op's result -> what it read
+    copy_inputs: dict[str, tuple[str, ...]] = {}  # the same for the copies (fused_saves.is_copy: selective only)
 
     def needs_grad(p) -> bool:
         return bool(p.requires_grad) or p.name in differentiated
@@ -262,14 +278,21 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
         if is_attention(bsym) and not fused_attention(bsym):
             t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
         saved = _kept_by(bsym, fused_attention, needs_grad)
-        keeps = [base.get(args[i].name, args[i].name) for i in saved.inputs] + [outs[j].name for j in saved.outputs]
+        fused_away = fuses and is_elementwise(bsym)
+        # fused, its own intermediates are recomputed (item 4): a dtype conversion of an argument from the argument
+        held = (*saved.inputs, *(saved.converted if fused_away else ()))
+        keeps = [base.get(args[i].name, args[i].name) for i in held] + [outs[j].name for j in saved.outputs]
         for name in keeps:
             kept.add(name)
             kept_in.setdefault(name, set()).add(current)
-        fused_away = fuses and is_elementwise(bsym)
-        if fused_away:
+        for i in (*saved.inputs, *saved.converted):  # a parameter, or its conversion: read by the backward
+            name = base.get(args[i].name, args[i].name)
+            if name in piece_of_arg:
+                t.reads_params[piece_of_arg[name]] = 1
+        if fused_away or (fuses and is_copy(bsym)):
             for o in outs:
-                elementwise_inputs[o.name] = tuple(base.get(p.name, p.name) for p in args)
+                read = tuple(base.get(p.name, p.name) for p in args)
+                (elementwise_inputs if fused_away else copy_inputs)[o.name] = read
         t.acts[current] += 0 if fused_away else saved.inside_bytes
         if matmul:
             t.matmul_acts[current] += saved.inside_bytes
@@ -277,21 +300,25 @@ def _ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_atten
             t.moved[current] += _tensor_bytes(bsym.flat_proxy_args) + _tensor_bytes(bsym.flat_proxy_outs)
         kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in outputs]
         t.largest[current] = max([t.largest[current], *(_tensor_bytes((o,)) for o in kept_inside)])
+    selective = kept & by_matmul  # what the selective level keeps of it: the matmuls' results
     if fuses:
-        kept = kept_after_fusion(kept, elementwise_inputs, made_in, lambda name: _tensor_bytes((proxy[name],)),
-                                 region_of, kept_in)
+        nbytes = lambda name: _tensor_bytes((proxy[name],))  # noqa: E731
+        # the fused kernels recompute the elementwise ops at both levels; the selective level the copies too, so
+        # it keeps what the chains through them start from, made by matmuls or not (fused_saves)
+        selective = kept_after_fusion(kept, {**elementwise_inputs, **copy_inputs}, made_in, nbytes, region_of, kept_in)
+        kept = kept_after_fusion(kept, elementwise_inputs, made_in, nbytes, region_of, kept_in)
+        t.matmul_acts = list(t.acts)  # every op's intermediates that are kept (a fused elementwise op's: none)
     for name in kept:
         if name in made_in:
-            nbytes = _tensor_bytes((proxy[name],))
-            t.acts[made_in[name]] += nbytes
-            if name in by_matmul:
-                t.matmul_acts[made_in[name]] += nbytes
-    if fuses:  # the fused kernels recompute the elementwise ops anyway: selective checkpointing keeps what none keeps
-        t.matmul_acts = list(t.acts)
+            t.acts[made_in[name]] += _tensor_bytes((proxy[name],))
+    for name in selective:
+        if name in made_in:
+            t.matmul_acts[made_in[name]] += _tensor_bytes((proxy[name],))
     for name, piece in made_in.items():
         reader = max(last_read.get(name, piece), trailing.get(name, piece) if name in kept else piece)
         if reader > piece and is_float_tensor(proxy[name]):
-            t.escaping[piece][reader] = t.escaping[piece].get(reader, 0) + _tensor_bytes((proxy[name],))
+            for escaping in (t.escaping, t.matmul_escaping) if name in selective else (t.escaping,):
+                escaping[piece][reader] = escaping[piece].get(reader, 0) + _tensor_bytes((proxy[name],))
     return t
 
 
@@ -320,6 +347,14 @@ def summarize(
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).nbytes(dtype) for p in params)
 
+    # a tied parameter's reads are its owner's (a tied head's backward reads the embedding's weight, which the
+    # embedding's unit gathers): a piece reading its tied parameters marks their owners' pieces too
+    reads_params = list(t.reads_params)
+    for i, (_, _, params) in enumerate(found):
+        for p in params if t.reads_params[i] else ():
+            if sharding.param(p).shard_of in index_of_param:
+                reads_params[index_of_param[sharding.param(p).shard_of]] = 1
+
     pieces = tuple(
         Piece(
             name,
@@ -338,10 +373,13 @@ def summarize(
             min(t.matmul_acts[i], t.acts[i]),
             tuple(sorted(t.escaping[i].items())),
             t.scores[i],
+            tuple(sorted(t.matmul_escaping[i].items())),
+            bool(reads_params[i]),
+            nbytes(params, precision.param_dtype),
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer, _tensor_bytes(outputs), replicas)
+    return StepSummary(pieces, sharding.world_size, optimizer, _tensor_bytes(outputs), replicas, fuses)
 
 
 def _outputs(computation) -> list[TensorProxy]:
