@@ -11,12 +11,13 @@ import pytest
 from fsdp_pass import FSDP, FSDPError
 from fsdp_pass.plan.auto_checkpoint import checkpointed_for_budget
 from fsdp_pass.plan.auto_plan import plan_step, smallest_peak
+from fsdp_pass.plan.candidate_costs import Candidate, UnitCost, unit_costs
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost
 from fsdp_pass.plan.optimizers import resolve_optimizer
 from fsdp_pass.plan.options import parse_bytes
 from fsdp_pass.plan.price_plan import candidate_of, price_plan
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.plan.step_model import Candidate, UnitCost, peak_of, predict, unit_costs
+from fsdp_pass.plan.step_model import peak_of, predict
 from fsdp_pass.plan.step_summary import Piece, StepSummary
 from fsdp_pass.report.text import human_bytes
 from tests import auto_cases, explain_cases, tolerances
@@ -383,7 +384,7 @@ def test_an_attention_computed_op_by_op_keeps_its_scores_and_the_summary_counts_
     from thunder.core.pytree import tree_flatten
 
     from fsdp_pass.plan.auto_options import fused_attention
-    from fsdp_pass.plan.step_summary import attention_scores_bytes
+    from fsdp_pass.plan.op_tally import attention_scores_bytes
     from fsdp_pass.predicates import is_return
 
     run = model_dry_run(2, "zero3")  # test_explain's, on the CPU list: no attention kernel

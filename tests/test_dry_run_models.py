@@ -272,7 +272,7 @@ def test_the_step_model_keeps_per_layer_what_the_bf16_gqa_lowering_keeps(level):
     8 KiB for each tensor it missed or counted too many before."""
     from fsdp_pass.plan.cost_model import DEFAULTS
     from fsdp_pass.plan.mixed_precision import MixedPrecision
-    from fsdp_pass.plan.step_model import kept_and_recompute
+    from fsdp_pass.plan.candidate_costs import kept_and_recompute
 
     module, args = zoo.build("tiny", n_layer=2, seq=64, n_head=4, n_kv_head=1, rope_theta=10000.0)
     run = dry_run(module, args, 8, device="cuda", units="blocks", checkpoint_activations=level,
@@ -294,7 +294,7 @@ def test_the_step_model_keeps_per_layer_what_the_bf16_gqa_lowering_keeps(level):
     # the units the step model gathers again in the backward are the traces' (the embedding's is not: its gradient
     # reads the indices only; the model once gathered it again, 500 MiB on the 2-layer 7B's peak)
     from fsdp_pass.plan.price_plan import candidate_of
-    from fsdp_pass.plan.step_model import unit_costs
+    from fsdp_pass.plan.candidate_costs import unit_costs
 
     step = run.fsdp.compiled_step
     candidate = candidate_of(summary, step.plan, step.options)

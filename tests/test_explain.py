@@ -128,6 +128,9 @@ def test_explain_lists_only_the_options_set_and_notes_that_apply():
     assert text.split("\nNotes:\n")[1].splitlines() == [f"  {n}" for n in plain.notes]
     assert len(plain.notes) == 1 and plain.notes[0].startswith("clipping: fsdp_pass.clip_grad_norm_")
     assert plain.memory.step.output_grad_bytes == 4  # the loss is inside: the backward receives one float
+    # the plan's note on ZeRO-3's last unit (kept gathered into the backward, or resharded) is printed too
+    (last_unit,) = [n for n in plain.plan.notes if f"unit {plain.units[-1].name!r}" in n and "after forward" in n]
+    assert f"note: {last_unit}" in text.split("\nNotes:\n")[0].splitlines()
 
     asked = plain.with_no_sync()
     accumulators = [n for n in asked.notes if n.startswith("no_sync accumulators")]

@@ -164,7 +164,7 @@ def test_the_step_model_prices_the_all_reduce_across_replicas():
     """The same two dry runs, priced by the auto planner's step model: the same shard group, plus one all-reduce
     of each reduced shard across the 2 replicas, on their own link."""
     from fsdp_pass.plan.cost_model import DEFAULTS
-    from fsdp_pass.plan.step_model import OPS_PER_COLLECTIVE
+    from fsdp_pass.plan.candidate_costs import OPS_PER_COLLECTIVE
 
     hsdp, flat = model_dry_run(4, "zero3", mesh=(2, 2)), model_dry_run(2, "zero3")
     assert hsdp.explanation.plan.summary.replicas == 2 and flat.explanation.plan.summary.replicas == 1

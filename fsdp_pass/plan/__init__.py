@@ -11,7 +11,9 @@
 - :mod:`~fsdp_pass.plan.cost_model`: what a collective costs (latency and bandwidth, fitted to what
   :mod:`fsdp_pass.plan.probe` measures) and the device's compute rate;
 - ``FSDP("auto")``: :mod:`~fsdp_pass.plan.step_summary` (the trace cut into pieces: bytes, FLOPs,
-  activations), :mod:`~fsdp_pass.plan.step_model` (a candidate plan's predicted step time and peak),
+  activations, tallied op by op by :mod:`~fsdp_pass.plan.op_tally`), :mod:`~fsdp_pass.plan.step_model` (a
+  candidate plan's predicted step time and peak, from its units' own costs in
+  :mod:`~fsdp_pass.plan.candidate_costs`),
   :mod:`~fsdp_pass.plan.auto_plan` (the search, and a reason per decision: the units by
   :mod:`~fsdp_pass.plan.unit_search`, which the default units of :mod:`~fsdp_pass.plan.default_units` use too,
   the rest by :mod:`~fsdp_pass.plan.per_unit_decisions`, worded by :mod:`~fsdp_pass.plan.auto_plan_text`),

@@ -43,9 +43,10 @@ from dataclasses import replace
 from fsdp_pass.errors import check, fail
 from fsdp_pass.plan.auto_checkpoint import checkpoint_reasons, moves, with_moves
 from fsdp_pass.plan.auto_plan_text import AutoPlan, depth_note, move_reason, reshard_reasons
+from fsdp_pass.plan.candidate_costs import Candidate
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.per_unit_decisions import PREFETCH_DEPTHS, PerUnitDecisions
-from fsdp_pass.plan.step_model import Candidate, Prediction, ms, predict
+from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, fits, greedy_units
 from fsdp_pass.report.text import human_bytes

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fsdp_pass.plan.candidate_costs import OPS_PER_COLLECTIVE, Candidate, unit_costs
 from fsdp_pass.plan.checkpointing import NONE
 from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_model import OPS_PER_COLLECTIVE, Candidate, Prediction, ms, predict, unit_costs
+from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_search import Priced, Taken, fits
 from fsdp_pass.report.text import format_table, human_bytes

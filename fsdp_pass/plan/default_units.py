@@ -33,9 +33,10 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
+from fsdp_pass.plan.candidate_costs import Candidate
 from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.sharding import Strategy
-from fsdp_pass.plan.step_model import Candidate, Prediction, ms, predict
+from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.plan.unit_search import NO_MOVE, Priced, greedy_units, unit_names

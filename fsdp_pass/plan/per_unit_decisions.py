@@ -11,8 +11,9 @@ from dataclasses import replace
 
 from fsdp_pass.plan.auto_checkpoint import checkpointed_for_budget, fewest_checkpointed
 from fsdp_pass.plan.auto_plan_text import depth_reason
+from fsdp_pass.plan.candidate_costs import Candidate, unit_costs
 from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_model import Candidate, peak_of, persistent_bytes, predict, unit_costs
+from fsdp_pass.plan.step_model import peak_of, persistent_bytes, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_search import Priced, better, fits, unit_names
 

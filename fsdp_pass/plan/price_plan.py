@@ -5,7 +5,7 @@
 compile keeps (``UnitPlan.summary``), so a hand-written plan and the auto plan can be set side by side, and
 either against a measured step.
 
-1. :func:`candidate_of` reads the plan as the step model's :class:`~fsdp_pass.plan.step_model.Candidate`: each
+1. :func:`candidate_of` reads the plan as the step model's :class:`~fsdp_pass.plan.candidate_costs.Candidate`: each
    unit a run of consecutive pieces (:mod:`~fsdp_pass.plan.step_summary`), in forward order, with its
    resharding and its prefetch depth (``Schedule.prefetch``, ``prefetch_by_unit``), whether the shards are
    offloaded, and each unit's activation checkpointing level (``checkpoint_activations``).
@@ -24,9 +24,10 @@ from __future__ import annotations
 
 from fsdp_pass.errors import check
 from fsdp_pass.plan.auto_options import device_defaults
+from fsdp_pass.plan.candidate_costs import Candidate
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.options import FSDPOptions, resolve_cost
-from fsdp_pass.plan.step_model import Candidate, Prediction, predict
+from fsdp_pass.plan.step_model import Prediction, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.units import Unit, UnitPlan
 

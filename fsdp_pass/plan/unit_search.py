@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsdp_pass.plan.step_model import Candidate, Prediction, ms
+from fsdp_pass.plan.candidate_costs import Candidate
+from fsdp_pass.plan.step_model import Prediction, ms
 from fsdp_pass.plan.step_summary import StepSummary
 
 BETTER = 1e-3  # a move must shorten the predicted step by this fraction to be taken

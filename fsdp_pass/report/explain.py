@@ -6,7 +6,8 @@ training step, or a dry run) prints
 1. per unit: its parameters, numel, sharded and unsharded bytes, padding, whether it is resharded
    after forward, and for each of its collectives (forward all-gather, backward all-gather,
    reduce-scatter) where it is issued and waited in the final trace (op positions) and the compute
-   that runs in between (estimated MFLOP; ``EXPOSED`` when none);
+   that runs in between (estimated MFLOP; ``EXPOSED`` when none); under the table the plan's notes
+   (``note: ...``), such as why ZeRO-3's last unit stays gathered into the backward or reshards;
 2. per rank and step: bytes sent against the floor no ZeRO scheme can go below;
 3. per rank: predicted peak memory = sharded parameters + optimizer state + the step's peak (from the
    traces, :mod:`fsdp_pass.report.memory`), the op where the step peaks, and the step's peak split by kind
@@ -223,11 +224,12 @@ class Explanation:
             if self.stats is not None:
                 row += tuple(_collective_cell(c) for c in (u.forward_gathers, u.backward_gathers, u.reduce_scatters))
             rows.append(row)
-        return [head, *(f"  {o}" for o in self.options), *format_table(cols, rows)] + (
-            ["(issue..wait: op positions in the final trace, then the estimated FLOPs computed in between)"]
-            if self.stats is not None
-            else []
-        )
+        legend = (["(issue..wait: op positions in the final trace, then the estimated FLOPs computed in between)"]
+                  if self.stats is not None else [])
+        # the plan's notes: ZeRO-3's last unit kept gathered into the backward or resharded, and why; units split
+        # by dtype; parameters the forward never reads
+        plan_notes = [f"note: {n}" for n in self.plan.notes]
+        return [head, *(f"  {o}" for o in self.options), *format_table(cols, rows), *legend, *plan_notes]
 
     def _totals(self) -> list[str]:
         m = self.memory

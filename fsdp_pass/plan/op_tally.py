@@ -1,0 +1,193 @@
+"""Per piece, what the forward's ops add up to: one walk over the functional forward trace that charges each op to
+the piece whose parameter the trace read last before it. ``ops_by_piece(computation, piece_of_arg, n) -> Tally``.
+
+For each piece: FLOPs and op counts (all, and the matmuls' and attentions' part), the bytes the elementwise ops move,
+the largest result the forward does not return, what the backward keeps (all, and what the selective checkpointing
+level keeps; under a fusion executor as :mod:`~fsdp_pass.plan.fused_saves` says), the kept results that later pieces
+read, whether the backward reads its parameters, and the scores of an attention computed op by op.
+:mod:`~fsdp_pass.plan.step_summary` turns the tally into its pieces; its docstring says what each count means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thunder.core.proxies import TensorProxy
+
+from fsdp_pass.plan.fused_saves import is_copy, is_elementwise, kept_after_fusion
+from fsdp_pass.plan.op_flops import estimated_flops, is_attention, is_matmul_like
+from fsdp_pass.plan.saved_tensors import Saved, saved_by_op
+from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like
+
+
+# ops whose gradient does not read their tensor inputs: where Thunder cannot be asked what an op keeps
+# (saved_tensors.saved_by_op gives None), an op not among these is taken to keep its inputs
+_GRADIENT_NEEDS_NO_INPUT = frozenset(
+    ("add", "sub", "neg", "cat", "reshape", "view", "permute", "transpose", "contiguous", "unsqueeze", "squeeze",
+     "expand", "flatten", "getitem", "split", "chunk", "slice", "to", "type_as", "clone", "sum", "mean",
+     "python_return", "return", "broadcast_in_dim", "convert_element_type")
+)
+
+
+def tensor_bytes(proxies) -> int:
+    return sum(int(p.numel) * p.dtype.bytes for p in proxies if getattr(p, "shape", None) is not None)
+
+
+def attention_scores_bytes(bsym, masked: bool = True) -> int:
+    """What an attention computed op by op keeps for its backward besides its inputs and output: its
+    probabilities, b·h·s_q·s_k in the query's dtype (one tensor, which the traces name twice), and for a causal
+    or masked one (``masked``) the mask broadcast to them, a byte each (the fallback where Thunder cannot be
+    asked, item 4)."""
+    args = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), bsym.args), **bsym.kwargs)
+    q, k = args["query"], args["key"]
+    scores = (int(q.numel) // int(q.shape[-1])) * int(k.shape[-2])
+    masked = masked and (args.get("is_causal") or args.get("attn_mask") is not None)
+    return scores * (q.dtype.bytes + (1 if masked else 0))
+
+
+def _kept_by(bsym, fused_attention, needs_grad) -> Saved:
+    """What ``bsym`` keeps for the backward: a fused attention its inputs and output; another op what Thunder's
+    autodiff keeps of it (:mod:`~fsdp_pass.plan.saved_tensors`); where Thunder cannot be asked, its inputs
+    unless its gradient reads none (an attention computed op by op: its scores too)."""
+    args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+    outs = [p for p in bsym.flat_proxy_outs if isinstance(p, TensorProxy)]
+    if is_attention(bsym) and fused_attention(bsym):
+        return Saved(tuple(range(len(args))), tuple(range(len(outs))), 0)
+    saved = saved_by_op(bsym, needs_grad)
+    if saved is not None:
+        return saved
+    if str(bsym.sym.name) in _GRADIENT_NEEDS_NO_INPUT:
+        return Saved((), (), 0)
+    return Saved(tuple(range(len(args))), (), attention_scores_bytes(bsym) if is_attention(bsym) else 0)
+
+
+@dataclass
+class Tally:
+    """Per piece, what the forward's ops add up to (``ops_by_piece``)."""
+
+    flops: list
+    matmul_flops: list
+    ops: list
+    matmul_ops: list
+    moved: list
+    largest: list
+    acts: list
+    matmul_acts: list
+    escaping: list  # per piece: {last reading piece: bytes}
+    matmul_escaping: list  # per piece: the part of ``escaping`` in ``matmul_acts``
+    reads_params: list  # per piece: whether an op keeps one of its parameters for the backward
+    scores: list  # per piece: the largest scores of an attention computed op by op
+
+
+def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False,
+                 outputs: frozenset[str] = frozenset(), fuses: bool = False, region_of=None) -> Tally:
+    """FLOPs, op counts, elementwise bytes moved, largest results (``outputs``, the names the forward returns,
+    left out), kept bytes (all, and those matmuls make; ``fuses``: as a fusion executor keeps them,
+    :mod:`~fsdp_pass.plan.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
+    the piece whose parameter the trace read last before it."""
+    t = Tally(*([0] * n for _ in range(12)))
+    t.flops, t.matmul_flops = [0.0] * n, [0.0] * n
+    t.escaping, t.matmul_escaping = [{} for _ in range(n)], [{} for _ in range(n)]
+    if n == 0:  # a model without parameters: no piece to charge
+        return t
+    made_in: dict[str, int] = {}  # a result's name -> the piece whose op made it
+    by_matmul: set[str] = set()
+    base: dict[str, str] = {}  # a view's name -> the result it views
+    proxy: dict[str, TensorProxy] = {}
+    kept: set[str] = set()
+    kept_in: dict[str, set[int]] = {}  # a kept result -> the pieces whose ops keep it
+    last_read: dict[str, int] = {}
+    differentiated: set[str] = set()  # the results that depend on a parameter (the trace marks parameters only)
+    elementwise_inputs: dict[str, tuple[str, ...]] = {}  # under fusion: an elementwise op's result -> what it read
+    copy_inputs: dict[str, tuple[str, ...]] = {}  # the same for the copies (fused_saves.is_copy: selective only)
+
+    def needs_grad(p) -> bool:
+        return bool(p.requires_grad) or p.name in differentiated
+
+    ops = [b for b in computation.bound_symbols if not (is_return(b) or is_bookkeeping(b))]
+    last_param_read: dict[int, int] = {}  # a piece -> the last op that reads one of its parameters
+    for k, bsym in enumerate(ops):
+        for p in bsym.flat_proxy_args:
+            if p.name in piece_of_arg:
+                last_param_read[piece_of_arg[p.name]] = k
+    # a result that an op after its piece's last parameter read makes or reads (the residual add after a block's
+    # last matmul, the next norm's reduction): outside the region a checkpointed unit ending there recomputes
+    # (passes.checkpoint_units), so kept by it as by an op of a later piece: the piece after the reader's
+    trailing: dict[str, int] = {}
+    current = 0
+    for k, bsym in enumerate(ops):
+        read = [piece_of_arg[p.name] for p in bsym.flat_proxy_args if p.name in piece_of_arg]
+        if read:
+            current = max(read)
+        if k > last_param_read.get(current, k):
+            for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
+                if isinstance(p, TensorProxy):
+                    trailing[base.get(p.name, p.name)] = current + 1
+        args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+        for p in args:
+            name = base.get(p.name, p.name)
+            if name in made_in:
+                last_read[name] = max(last_read.get(name, 0), current)
+        flops = estimated_flops(bsym, skips_masked=not is_attention(bsym) or fused_attention(bsym))
+        matmul = is_matmul_like(bsym)
+        t.flops[current] += flops
+        t.ops[current] += 1
+        if matmul:
+            t.matmul_flops[current] += flops
+            t.matmul_ops[current] += 1
+        outs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+        if any(needs_grad(p) for p in args):
+            differentiated.update(o.name for o in outs if is_float_tensor(o))
+        if is_view_like(bsym):
+            for o in outs:
+                base[o.name] = base.get(args[0].name, args[0].name) if args else o.name
+            continue
+        for o in outs:
+            made_in[o.name], proxy[o.name] = current, o
+            if matmul:
+                by_matmul.add(o.name)
+        if is_attention(bsym) and not fused_attention(bsym):
+            t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
+        saved = _kept_by(bsym, fused_attention, needs_grad)
+        fused_away = fuses and is_elementwise(bsym)
+        # fused, its own intermediates are recomputed (item 4): a dtype conversion of an argument from the argument
+        held = (*saved.inputs, *(saved.converted if fused_away else ()))
+        keeps = [base.get(args[i].name, args[i].name) for i in held] + [outs[j].name for j in saved.outputs]
+        for name in keeps:
+            kept.add(name)
+            kept_in.setdefault(name, set()).add(current)
+        for i in (*saved.inputs, *saved.converted):  # a parameter, or its conversion: read by the backward
+            name = base.get(args[i].name, args[i].name)
+            if name in piece_of_arg:
+                t.reads_params[piece_of_arg[name]] = 1
+        if fused_away or (fuses and is_copy(bsym)):
+            for o in outs:
+                read = tuple(base.get(p.name, p.name) for p in args)
+                (elementwise_inputs if fused_away else copy_inputs)[o.name] = read
+        t.acts[current] += 0 if fused_away else saved.inside_bytes
+        if matmul:
+            t.matmul_acts[current] += saved.inside_bytes
+        if not matmul:
+            t.moved[current] += tensor_bytes(bsym.flat_proxy_args) + tensor_bytes(bsym.flat_proxy_outs)
+        kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in outputs]
+        t.largest[current] = max([t.largest[current], *(tensor_bytes((o,)) for o in kept_inside)])
+    selective = kept & by_matmul  # what the selective level keeps of it: the matmuls' results
+    if fuses:
+        nbytes = lambda name: tensor_bytes((proxy[name],))  # noqa: E731
+        # the fused kernels recompute the elementwise ops at both levels; the selective level the copies too, so
+        # it keeps what the chains through them start from, made by matmuls or not (fused_saves)
+        selective = kept_after_fusion(kept, {**elementwise_inputs, **copy_inputs}, made_in, nbytes, region_of, kept_in)
+        kept = kept_after_fusion(kept, elementwise_inputs, made_in, nbytes, region_of, kept_in)
+        t.matmul_acts = list(t.acts)  # every op's intermediates that are kept (a fused elementwise op's: none)
+    for name in kept:
+        if name in made_in:
+            t.acts[made_in[name]] += tensor_bytes((proxy[name],))
+    for name in selective:
+        if name in made_in:
+            t.matmul_acts[made_in[name]] += tensor_bytes((proxy[name],))
+    for name, piece in made_in.items():
+        reader = max(last_read.get(name, piece), trailing.get(name, piece) if name in kept else piece)
+        if reader > piece and is_float_tensor(proxy[name]):
+            for escaping in (t.escaping, t.matmul_escaping) if name in selective else (t.escaping,):
+                escaping[piece][reader] = escaping[piece].get(reader, 0) + tensor_bytes((proxy[name],))
+    return t
