@@ -48,7 +48,7 @@ from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.per_unit_decisions import PREFETCH_DEPTHS, PerUnitDecisions
 from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, fits, greedy_units
+from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, fits, greedy_units, zero3_reshards
 from fsdp_pass.report.text import human_bytes
 
 
@@ -86,7 +86,7 @@ def plan_step(
     ``checkpointing``: whether units may checkpoint their activations when nothing fits without.
     ``after_bytes``: what the forward computes after its last parameter read
     (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`): the hand-written ZeRO-3 plan it is compared
-    with keeps its last unit as ``plan_units`` would (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`)."""
+    with keeps its last unit as ``plan_units`` would (:func:`~fsdp_pass.plan.unit_search.zero3_reshards`)."""
     check(len(summary.pieces) > 0, "The step reads no parameters: there is nothing to plan.",
           "Plan a model whose forward reads its parameters.")
     check(budget is None or budget > 0, f"memory_budget={budget!r} is not a positive number of bytes.",
@@ -153,13 +153,9 @@ def _no_planfits(summary: StepSummary, cost: CostInputs, budget: int, offload: b
 
 def _compared(summary: StepSummary, cost: CostInputs, offload: bool,
               after_bytes: int = 0) -> tuple[tuple[str, Prediction], ...]:
-    from fsdp_pass.plan.plan_units import keeps_last_unit
-
     starts = block_starts(summary)
-    k = len(starts)
-    keep = keeps_last_unit(after_bytes, sum(p.gathered_bytes for p in summary.pieces[starts[-1]:]))
-    zero3 = Candidate(starts, (True,) * (k - 1) + (not keep,), 1, offload)
-    zero2 = Candidate(starts, (False,) * k, 1, offload)
+    zero3 = Candidate(starts, zero3_reshards(summary, starts, after_bytes), 1, offload)
+    zero2 = Candidate(starts, (False,) * len(starts), 1, offload)
     return (("blocks, ZeRO-3, prefetch 1", predict(summary, zero3, cost)),
             ("blocks, ZeRO-2, prefetch 1", predict(summary, zero2, cost)))
 

@@ -39,7 +39,7 @@ from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
-from fsdp_pass.plan.unit_search import NO_MOVE, Priced, greedy_units, unit_names
+from fsdp_pass.plan.unit_search import NO_MOVE, Priced, greedy_units, unit_names, zero3_reshards
 from fsdp_pass.report.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
@@ -137,17 +137,14 @@ def _why_not_priced(options) -> str | None:
 def candidate(starts: tuple[int, ...], options, summary: StepSummary, after_bytes: int = 0) -> Candidate:
     """``starts`` with the user's resharding, prefetch depth, checkpointing and offload (as plan_units applies
     them: ZeRO-3 reshards every unit but the last the forward gathers, that one too where what the forward
-    computes after it, ``after_bytes``, outgrows it: :func:`~fsdp_pass.plan.plan_units.keeps_last_unit`; ZeRO-2
-    none)."""
+    computes after it, ``after_bytes``, outgrows it: :func:`~fsdp_pass.plan.unit_search.zero3_reshards`;
+    ZeRO-2 none)."""
     from fsdp_pass.plan.options import constant_checkpoint_level
-    from fsdp_pass.plan.plan_units import keeps_last_unit
 
     k, override = len(starts), options.reshard_after_forward
     if override is None:
         zero3 = options.strategy is Strategy.ZERO3
-        last_bytes = sum(p.gathered_bytes for p in summary.pieces[starts[-1]:]) if k else 0
-        keep_last = keeps_last_unit(after_bytes, last_bytes)
-        reshard = tuple(zero3 and (i < k - 1 or not keep_last) for i in range(k))
+        reshard = zero3_reshards(summary, starts, after_bytes) if zero3 else (False,) * k
     else:
         reshard = (override,) * k
     level = constant_checkpoint_level(options.checkpoint_activations)
