@@ -84,7 +84,8 @@ class FSDP(Transform):
             model chooses them at the first compile (:mod:`fsdp_pass.plan.default_units`): the units with the
             fastest predicted step for the other options as given, within the device's memory, starting from
             ``"blocks"``'s; ``explain()`` prints the choice and why.
-        reshard_after_forward: None (ZeRO-3: every unit but the last one gathered; ZeRO-2: none),
+        reshard_after_forward: None (ZeRO-3: every unit but the last one gathered, that one too where
+            what the forward computes after it, e.g. a loss inside the model, outgrows it; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.
         schedule: when collectives are issued and waited (:class:`~fsdp_pass.plan.schedule.Schedule`):
             the default prefetches one unit ahead; an int is the prefetch depth; None keeps the
