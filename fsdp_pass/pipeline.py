@@ -87,7 +87,7 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     param_of_arg = parameter_names_of_args(prologue, computation)
     summary = step_summary(computation, param_of_arg, model, options, executors)
     auto = choice = None
-    after_bytes = trailing_compute_bytes(computation, param_of_arg)  # whether ZeRO-3 keeps the last unit
+    after_bytes = trailing_compute_bytes(computation, param_of_arg, options.mixed_precision)  # ZeRO-3 keeps the last unit?
     if options.auto is not None:
         options, auto = options_from_auto_plan(summary, model, options, after_bytes)
     elif isinstance(options.unit_policy, StepModelUnits):

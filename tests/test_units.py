@@ -28,11 +28,13 @@ def _shared(strategy):
 @pytest.fixture(scope="module")
 def compiled():
     """config -> (forward, backward, UnitPlan): the shared ZeRO-2 and ZeRO-3 steps (tests/llama_steps.py, compiled
-    once per session), and ZeRO-3 with every unit resharded, made from the shared functional trace."""
+    once per session), ZeRO-3 with every unit resharded and with all but the last, made from the shared functional
+    trace."""
     return {
         "zero2": _shared("zero2"),
         "zero3": _shared("zero3"),
         "zero3_all": functional_step("zero3", reshard_after_forward=True),
+        "zero3_kept": functional_step("zero3", reshard_after_forward=lambda unit: unit.name != "norm+lm_head"),
     }
 
 
@@ -67,10 +69,13 @@ def test_collective_counts_follow_the_unit_formula(compiled):
         counts[config] = (s.count(ALL_GATHER, "forward"), s.count(ALL_GATHER, "backward"), s.count(REDUCE_SCATTER))
     assert counts["zero2"] == (units, 0, units)
     # ZeRO-3 gathers a unit again only if the backward reads it: never the embedding (its backward needs
-    # only the indices); by default not the last unit either, which stays gathered
+    # only the indices); nor a unit kept gathered for the backward (here the last one)
     assert counts["zero3_all"] == (units, units - 1, units)
-    assert counts["zero3"] == (units, units - 2, units)
-    assert [u.reshard_after_forward for u in compiled["zero3"][2].units] == [True] * (units - 1) + [False]
+    assert counts["zero3_kept"] == (units, units - 2, units)
+    # by default the last unit reshards too: the tests' Llama returns its logits (2 x 8 x 37), so the loss is the
+    # caller's, taken to be a cross-entropy (two buffers the logits' size, 4.6 KiB), which outgrows the head (2.4 KiB)
+    assert counts["zero3"] == (units, units - 1, units)
+    assert [u.reshard_after_forward for u in compiled["zero3"][2].units] == [True] * units
 
 
 def test_bytes_per_step_are_the_floor_plus_padding(compiled):
@@ -182,29 +187,38 @@ class _HeadLast(nn.Module):
         return logits.square().mean() if self.loss == "square" else logits
 
 
-@pytest.mark.parametrize("loss, world", [("cross_entropy", 1), ("cross_entropy", 2), ("square", 2), ("logits", 2)])
-def test_zero3_keeps_the_last_unit_unless_what_computes_after_it_outgrows_it(loss, world):
-    """ZeRO-3 keeps the last unit gathered into the backward when the forward ends with it (the backward starts
-    with its gradient) or computes less after it than the unit holds (the unit's own backward holds as much); it
-    reshards it when the forward computes a larger loss after it (a cross-entropy's log-probabilities: the backward
-    starts with the loss's gradient, where the step peaks, and holding the head there costs its bytes at the peak),
-    at world 1 too; the plan's notes say which and why. Plans only (stages 1-3 on a functional trace)."""
+@pytest.mark.parametrize("loss, world, rows", [("cross_entropy", 1, 8), ("cross_entropy", 2, 8), ("square", 2, 8),
+                                               ("logits", 2, 8), ("logits", 2, 64)])
+def test_zero3_keeps_the_last_unit_unless_what_computes_after_it_outgrows_it(loss, world, rows):
+    """ZeRO-3 keeps the last unit gathered into the backward when the forward computes less after it than the unit
+    holds (the unit's own backward holds as much); it reshards it when the forward computes a larger loss after it
+    (a cross-entropy's log-probabilities: the backward starts with the loss's gradient, where the step peaks, and
+    holding the head there costs its bytes at the peak), at world 1 too. A model returning its logits has its loss
+    computed by the caller, priced as the memory model prices it (a cross-entropy: two buffers the logits' size):
+    8 rows of 37 logits hold as much as the 37 x 16 head (kept), 64 rows outgrow it (resharded). The plan's notes
+    say which and why. Plans only (stages 1-3 on a functional trace)."""
     from fsdp_pass.functional import functional_trace, shard_functional_trace
 
     torch.manual_seed(0)
     model = _HeadLast(loss)
-    prologue, trace = functional_trace(model, torch.randn(8, 16), torch.randint(0, 37, (8,)))
+    prologue, trace = functional_trace(model, torch.randn(rows, 16), torch.randint(0, 37, (rows,)))
     with fake_process_group(world) as group:
         _, plan = shard_functional_trace(prologue, trace, group, "zero3", units="blocks", model=model)
     *layers, head = plan.units
     assert [u.name for u in layers] == ["layers.0", "layers.1"] and all(u.reshard_after_forward for u in layers)
-    assert head.name == "head" and head.reshard_after_forward is (loss == "cross_entropy")
+    head_bytes, logits_bytes = 37 * 16 * 4, rows * 37 * 4
+    caller_loss = loss == "logits" and 2 * logits_bytes > head_bytes
+    assert head.name == "head" and head.reshard_after_forward is (loss == "cross_entropy" or caller_loss)
     (note,) = [n for n in plan.notes if n.startswith("unit 'head'")]
-    head_bytes = 37 * 16 * 4
     if loss == "cross_entropy":
         assert "reshards after forward" in note and "(cross_entropy, " in note and "view" not in note, note
-        assert f"outgrows the unit ({human_bytes(head_bytes)})" in note, note
+        assert f"outgrows the unit ({human_bytes(head_bytes)})" in note and "caller" not in note, note
     elif loss == "square":
         assert f"is no larger than the unit ({human_bytes(head_bytes)})" in note and "view" not in note, note
-    else:
-        assert "stays gathered after forward: nothing computes after its last use" in note, note
+        assert "caller" not in note, note
+    else:  # nothing computes after the head in the trace: the caller's loss decides
+        assert "what computes after" not in note, note
+        assert f"the loss the caller computes on the returned outputs (taken to be a cross-entropy" in note, note
+        assert f"their gradient, {human_bytes(2 * logits_bytes)})" in note, note
+        verdict = "reshards after forward" if caller_loss else "stays gathered after forward"
+        assert verdict in note, note

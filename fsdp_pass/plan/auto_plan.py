@@ -84,7 +84,7 @@ def plan_step(
     """The fastest predicted plan whose predicted peak is within ``budget`` bytes (module docstring).
     ``offload``: None lets the planner turn it on when nothing fits without; True or False decides it.
     ``checkpointing``: whether units may checkpoint their activations when nothing fits without.
-    ``after_bytes``: what the forward computes after its last parameter read
+    ``after_bytes``: what the forward computes after its last parameter read, and the caller's loss
     (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`): the hand-written ZeRO-3 plan it is compared
     with keeps its last unit as ``plan_units`` would (:func:`~fsdp_pass.plan.unit_search.zero3_reshards`)."""
     check(len(summary.pieces) > 0, "The step reads no parameters: there is nothing to plan.",

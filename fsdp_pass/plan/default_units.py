@@ -94,7 +94,8 @@ class UnitsChoice:
     reasons: tuple[str, ...]
     prediction: Prediction | None = None  # None: not priced, one unit per block
     blocks: Prediction | None = None  # one unit per block, priced the same way
-    # what the forward computes after its last parameter read: whether ZeRO-3 keeps each candidate's last unit
+    # what the forward computes after its last parameter read, and the caller's loss: whether ZeRO-3 keeps each
+    # candidate's last unit
     after_bytes: int = 0
 
     @property
@@ -155,8 +156,9 @@ def candidate(starts: tuple[int, ...], options, summary: StepSummary, after_byte
 def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None,
                  after_bytes: int = 0) -> UnitsChoice:
     """The units with the fastest predicted step (fitting ``budget`` first) for the user's other ``options``
-    (module docstring, items 2-3); ``after_bytes``: what the forward computes after its last parameter read
-    (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`), which decides whether ZeRO-3 keeps the last unit."""
+    (module docstring, items 2-3); ``after_bytes``: what the forward computes after its last parameter read, and the
+    caller's loss (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`), which decides whether ZeRO-3 keeps the
+    last unit."""
     blocked = _why_not_priced(options) if summary.pieces else "the step reads no parameters"
     if blocked:
         return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",), after_bytes=after_bytes)

@@ -8,8 +8,9 @@
    so freeing it would only mean gathering it again at once). When the forward computes after it (a loss
    computed inside the model: log-softmax, nll, ...), the backward starts with that computation's gradient,
    where the step peaks, and holding the last unit there costs its bytes at the peak: it reshards like the
-   others and the backward gathers it again before its first use (:func:`compute_after`);
-   ``reshard_after_forward`` overrides this.
+   others and the backward gathers it again before its first use (:func:`compute_after`). A loss the caller
+   computes on the returned outputs (logits) counts the same way, priced as the memory model prices it (taken to
+   be a cross-entropy: :func:`caller_loss_bytes`); ``reshard_after_forward`` overrides this.
 5. Order units by first use; that is the order of their all-gathers.
 6. Mark the units whose activations are checkpointed, and at which level (``checkpoint_activations``, asked per
    unit: :mod:`~fsdp_pass.plan.checkpointing`).
@@ -26,10 +27,13 @@ from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
+from fsdp_pass.plan.step_summary import returned_outputs
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_view_like
+from fsdp_pass.plan.mixed_precision import thunder_dtype
+from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like
+from fsdp_pass.report.memory import caller_loss
 from fsdp_pass.report.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
@@ -87,7 +91,8 @@ def compute_after(computation, index: int) -> tuple[list[str], int]:
 def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
     """ZeRO-3's rule for the last unit the forward gathers (``reshard_after_forward=None``): keep it gathered into
     the backward unless what the forward computes after its last use (``after_bytes``, :func:`compute_after`: a
-    loss computed inside the model) outgrows the unit (``unit_bytes``, gathered). The backward starts with those
+    loss computed inside the model; and a loss the caller computes on the outputs, :func:`caller_loss_bytes`)
+    outgrows the unit (``unit_bytes``, gathered). The backward starts with those
     ops' gradients, about as large as their results; where they are larger than the unit, the step peaks there
     and a kept unit adds its bytes to that peak, so it reshards and is gathered again before its first use. Where
     they are not (nothing after it; a small loss such as a mean squared error), the unit's own backward holds as
@@ -95,15 +100,49 @@ def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
     return after_bytes <= unit_bytes
 
 
-def trailing_compute_bytes(computation, param_of_arg: dict[str, str]) -> int:
-    """The bytes :func:`compute_after` counts after the forward's last parameter read: what the step model prices
-    the default units' last unit against (:func:`keeps_last_unit`). :func:`plan_units` asks it of the last unit's
-    last read; the two differ only where a parameter of another unit is read after it (tied weights)."""
+def differentiable_outputs(computation, param_of_arg: dict[str, str]) -> list:
+    """The floating-point tensors the forward returns (under ``"output"``) that a parameter reaches (or an input
+    that requires a gradient): those whose gradients the backward receives."""
+    reached = set(param_of_arg) | {a.name for a in computation.args if getattr(a, "requires_grad", False)}
+    for b in computation.bound_symbols:
+        if not is_return(b) and any(p.name in reached for p in b.flat_proxy_args):
+            reached.update(o.name for o in b.flat_proxy_outs if is_float_tensor(o))
+    return [o for o in returned_outputs(computation) if o.name in reached]
+
+
+def caller_loss_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
+    """What a loss the caller computes on the forward's outputs holds at the backward's start, as the memory model
+    prices it (its rule 6, :func:`fsdp_pass.report.memory.caller_loss`: a cross-entropy's log-probabilities and
+    their gradient, two buffers as large as the logits, in the mixed ``precision``'s ``output_dtype``); 0 where the
+    forward returns its own loss (a 0-d output with a gradient) or nothing with a gradient."""
+    dtype = thunder_dtype(getattr(precision, "output_dtype", None))
+    return sum(n for _, n in caller_loss(differentiable_outputs(computation, param_of_arg), dtype))
+
+
+def trailing_compute_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
+    """The bytes :func:`compute_after` counts after the forward's last parameter read, and the caller's loss
+    (:func:`caller_loss_bytes`): what the step model prices the default units' last unit against
+    (:func:`keeps_last_unit`). :func:`plan_units` asks it of the last unit's last read; the two differ only where a
+    parameter of another unit is read after it (tied weights)."""
     uses = first_and_last_use(computation, set(param_of_arg))
-    return compute_after(computation, max(last for _, last in uses.values()))[1] if uses else 0
+    after = compute_after(computation, max(last for _, last in uses.values()))[1] if uses else 0
+    return after + caller_loss_bytes(computation, param_of_arg, precision)
 
 
-def _reshard(units: list[Unit], sharding: ShardingPlan, options: FSDPOptions, notes: list[str], computation) -> list[Unit]:
+def _what_follows(after: list[str], after_bytes: int, loss_bytes: int) -> str:
+    """The plan note's words for what the backward differentiates before the last unit's first use."""
+    shown = list(dict.fromkeys(after))
+    ops = f"{', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}"
+    parts = [f"what computes after its last use ({ops}, {human_bytes(after_bytes)})"] if after else []
+    if loss_bytes:
+        parts.append("the loss the caller computes on the returned outputs (taken to be a cross-entropy, as the "
+                     f"memory model prices it: log-probabilities and their gradient, {human_bytes(loss_bytes)})")
+    total = f" ({human_bytes(after_bytes + loss_bytes)} together)" if len(parts) > 1 else ""
+    return " and ".join(parts) + total
+
+
+def _reshard(units: list[Unit], sharding: ShardingPlan, options: FSDPOptions, notes: list[str], computation,
+             loss_bytes: int) -> list[Unit]:
     override = options.reshard_after_forward
     strategy = sharding.strategy
     if override is None:
@@ -112,22 +151,20 @@ def _reshard(units: list[Unit], sharding: ShardingPlan, options: FSDPOptions, no
         after, after_bytes = compute_after(computation, last.last_use) if zero3 else ([], 0)
         gathered_dtype = getattr(options.mixed_precision, "param_dtype", None)  # as the step summary counts it
         unit_bytes = sum(sharding.param(p).nbytes(gathered_dtype) for p in last.params) if zero3 else 0
-        keep_last = zero3 and keeps_last_unit(after_bytes, unit_bytes)
+        keep_last = zero3 and keeps_last_unit(after_bytes + loss_bytes, unit_bytes)
         flags = [zero3 and not (keep_last and i == len(units) - 1) for i in range(len(units))]
-        shown = list(dict.fromkeys(after))
-        ops = f"{', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}"
-        if keep_last and not after:
+        follows = _what_follows(after, after_bytes, loss_bytes)
+        if keep_last and not follows:
             notes.append(f"unit {last.name!r} stays gathered after forward: nothing computes after its last use, "
                          "so the backward needs it first")
         elif keep_last:
-            notes.append(f"unit {last.name!r} stays gathered after forward: what computes after its last use ({ops}, "
-                         f"{human_bytes(after_bytes)}) is no larger than the unit ({human_bytes(unit_bytes)}), so the "
-                         "backward's peak is not above it")
+            notes.append(f"unit {last.name!r} stays gathered after forward: {follows} is no larger than the unit "
+                         f"({human_bytes(unit_bytes)}), so the backward's peak is not above it")
         elif zero3:
             notes.append(
-                f"unit {last.name!r} reshards after forward although the forward gathers it last: what computes "
-                f"after its last use ({ops}, {human_bytes(after_bytes)}) outgrows the unit ({human_bytes(unit_bytes)}); "
-                "the backward computes its gradients first, without the unit, and gathers it again before its first use"
+                f"unit {last.name!r} reshards after forward although the forward gathers it last: {follows} "
+                f"outgrows the unit ({human_bytes(unit_bytes)}); the backward starts with their gradients, "
+                "without the unit, and gathers it again before its first use"
             )
     elif isinstance(override, bool):
         flags = [override] * len(units)
@@ -181,7 +218,8 @@ def plan_units(
         for name, params in _split_by_dtype(groups, sharding, notes)
     ]
     units.sort(key=lambda u: u.first_use)
-    units = _reshard(units, sharding, options, notes, computation)
+    loss_bytes = caller_loss_bytes(computation, param_of_arg, options.mixed_precision)
+    units = _reshard(units, sharding, options, notes, computation, loss_bytes)
     units = [replace(u, checkpoint=checkpoint_level(options.checkpoint_activations(u))) for u in units]
     return UnitPlan(
         sharding=sharding,

@@ -165,7 +165,7 @@ def summarize(
     found = _pieces_of(inp)
     index_of_param = {p: i for i, (_, _, ps) in enumerate(found) for p in ps}
     piece_of_arg = {a: index_of_param[p] for a, p in param_of_arg.items() if p in index_of_param}
-    outputs = _outputs(computation)  # their gradients are the step's output_bytes, not a piece's working set
+    outputs = returned_outputs(computation)  # their gradients are the step's output_bytes, not a piece's working set
     blocks = [block for _, block, _ in found]  # under fusion, a block's kernels are a region (fused_saves)
     t = ops_by_piece(computation, piece_of_arg, len(found), fused_attention, frozenset(o.name for o in outputs),
                       fuses, blocks.__getitem__)
@@ -208,7 +208,7 @@ def summarize(
     return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses)
 
 
-def _outputs(computation) -> list[TensorProxy]:
+def returned_outputs(computation) -> list[TensorProxy]:
     """The floating-point tensors the trace returns (under ``"output"`` when it returns a dict)."""
     (ret,) = [b for b in computation.bound_symbols if is_return(b)]
     value = ret.args[0] if ret.args else None

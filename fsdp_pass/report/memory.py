@@ -29,8 +29,9 @@ as a *buffer*:
    backward in eager before the backward trace starts, which no trace shows. It is taken to be a cross-entropy
    over the outputs' last dimension, as a language model's step computes it: the log-probabilities it saved
    and their gradient live beside each output's gradient while that is made, two buffers as large as each
-   non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`). A cheaper loss
-   (a sum) makes this an over-count; one that upcasts the outputs first, an under-count.
+   non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`; :func:`caller_loss`, by
+   which ZeRO-3's last-unit rule prices the caller's loss too). A cheaper loss (a sum) makes this an over-count;
+   one that upcasts the outputs first, an under-count.
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
 (all-gather results and copies cut from them, also when the forward kept them for the backward),
@@ -461,16 +462,29 @@ def cotangents(backward) -> list[TensorProxy]:
     return [p for p in flat if isinstance(p, TensorProxy)]
 
 
+def caller_loss(outputs, dtype=None) -> tuple[tuple[str, int], ...]:
+    """Rule 6: the buffers ``(name, bytes)`` that a loss computed outside the model holds at the backward's start,
+    given the forward's outputs with gradients (or those gradients: the same shapes and dtypes): a cross-entropy
+    over each non-scalar one's last dimension, its log-probabilities and their gradient, each as large as the
+    output (in ``dtype`` where given: the mixed precision's ``output_dtype``, which the outputs are cast to after
+    planning). None where one of them is 0-d: that is a loss computed inside the model (a Hugging Face model fed
+    labels), traced. The one definition the memory model (:func:`step_memory`) and ZeRO-3's last-unit rule
+    (:func:`fsdp_pass.plan.plan_units.caller_loss_bytes`) price the caller's loss by."""
+    if any(len(o.shape) == 0 for o in outputs):
+        return ()
+    return tuple(
+        (f"{o.name}:{what}", int(o.numel) * (dtype or o.dtype).bytes) for o in outputs
+        for what in ("log-probabilities", "their gradient")
+    )
+
+
 def step_memory(forward, backward=None) -> StepMemory:
     fwd = trace_memory(forward)
     saved = {buf.name: buf for buf in fwd.handed_on.values()}
     output_grads = cotangents(backward) if backward is not None else []
     returns_a_loss = any(len(g.shape) == 0 for g in output_grads)
-    caller_loss = () if returns_a_loss else tuple(  # rule 6: log-probabilities and their gradient, per output
-        (f"{g.name}:{what}", tensor_bytes(g)) for g in output_grads if len(g.shape) > 0
-        for what in ("log-probabilities", "their gradient")
-    )
-    bwd = trace_memory(backward, fwd.handed_on, output_grads, caller_loss) if backward is not None else None
+    loss_outside = caller_loss(output_grads)  # rule 6
+    bwd = trace_memory(backward, fwd.handed_on, output_grads, loss_outside) if backward is not None else None
     return StepMemory(
         fwd,
         bwd,
