@@ -37,6 +37,10 @@ def auto_parity(model_name: str, steps: int = 3):
         "unbounded_units": [u.name for u in free.units],
         "unbounded_reshard": [u.reshard_after_forward for u in free.units],
         "unbounded_cost_source": free.auto.cost.source,
+        # the smallest peaks any plan of this step reaches without and with activation checkpointing (for
+        # test_a_budget_that_needs_checkpointing_is_met_on_gloo_ranks's budget, between the two)
+        "smallest_peaks": {c: smallest_peak(free.auto.summary, cost, offload=False, checkpoint=c).peak_bytes
+                           for c in (False, True)},
     }
 
 

@@ -55,9 +55,10 @@ def _cast_floats(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-# (model name, compute dtype) -> (the low-precision copy, its plain-Thunder jit), made once per rank process: every
-# mixed-precision parity case of that model and dtype reuses the reference's compile (each step copies the current
-# float32 weights into the copy; the model's buffers are the same deterministic ones)
+# (model name, compute dtype) -> (the low-precision copy, its plain-Thunder jit), made once in rank 0's process (the
+# only rank that computes the mixed reference): every mixed-precision parity case of that model and dtype reuses the
+# reference's compile (each step copies the current float32 weights into the copy; the model's buffers are the same
+# deterministic ones)
 _LOW_PRECISION_COPIES: dict = {}
 
 
@@ -103,6 +104,24 @@ class _MixedPrecisionReference:
         return losses, largest
 
 
+def _mixed_step_from_rank0(mixed, reference, model_name, x, y, world_size, loss_scale):
+    """``mixed.step`` on rank 0 only (a second Thunder compile and every rank's micro-batch, which each rank would
+    repeat to the same values), its losses, largest gradient element and the gradients it put into rank 0's
+    reference broadcast to every rank's reference."""
+    payload = [None]
+    if dist.get_rank() == 0:
+        losses, largest = mixed.step(model_name, x, y, world_size, loss_scale)
+        grads = [None if p.grad is None else p.grad.cpu() for p in reference.parameters()]
+        payload = [([loss.cpu() for loss in losses], largest, grads)]
+    dist.broadcast_object_list(payload, src=0)
+    losses, largest, grads = payload[0]
+    device = next(reference.parameters()).device
+    if dist.get_rank() != 0:
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = None if g is None else g.to(device)
+    return [loss.to(device) for loss in losses], largest
+
+
 def parity(
     model_name: str,
     strategy: str,
@@ -145,7 +164,7 @@ def parity(
 
     trainable = [p for p in reference.parameters() if p.requires_grad]
     mixed = None
-    if compute_dtype is not None:
+    if compute_dtype is not None and rank == 0:  # computed once, on rank 0, and sent to the others (below)
         mixed = _MixedPrecisionReference(model_name, reference, compute_dtype, reduce_dtype)
     loss_err, local_loss_err, grad_err, norm_err, full_precision_err, losses, frozen_grads = [], [], [], [], [], [], []
     grad_err_by_param: dict[str, float] = {}
@@ -167,7 +186,7 @@ def parity(
             # how far plain float32 gradients are from the mixed-precision reference: the scale of its rounding
             scaled = models.loss_fn(model_name, reference(x), y) * loss_scale
             fp32_grads = torch.autograd.grad(scaled, trainable)
-            rank_losses, largest = mixed.step(model_name, x, y, world_size, loss_scale)
+            rank_losses, largest = _mixed_step_from_rank0(mixed, reference, model_name, x, y, world_size, loss_scale)
             largest_low_precision_grad = _worst([largest_low_precision_grad, largest])
             ref_loss, ref_local_loss = sum(rank_losses) / world_size, rank_losses[rank]
             full_precision_err.append(_norm_rel(fp32_grads, [p.grad for p in trainable]))

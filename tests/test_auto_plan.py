@@ -326,20 +326,12 @@ def test_the_auto_plans_measured_peak_is_within_its_budget(auto_run):
         assert _measured_total(x) <= x["budget"], (_measured_total(x), x["budget"], x["predicted_peak"])
 
 
-def test_a_budget_that_needs_checkpointing_is_met_on_gloo_ranks(ranks):
+def test_a_budget_that_needs_checkpointing_is_met_on_gloo_ranks(ranks, auto_run):
     """Item 6 of issue 39: the tiny GPT-2 at 2 ranks within a budget between the smallest peak without activation
-    checkpointing and with it (from a dry run of the same step): the plan checkpoints, trains like one process, and
-    its measured step peaks within the budget."""
-    import torch
-
-    from fsdp_pass.report.dry_run import dry_run
-    from tests import models
-
-    with torch.device("meta"):
-        module = models.build("gpt2_tied")
-    summary = dry_run(module, (torch.zeros(2, 8, dtype=torch.long),), 2, "auto", cost="cpu-gloo").explanation.plan.auto
-    cost = DEFAULTS["cpu-gloo"]
-    low, high = (smallest_peak(summary.summary, cost, offload=False, checkpoint=c).peak_bytes for c in (True, False))
+    checkpointing and with it (priced on the summary of the same step, which the ranks of ``auto_run`` compiled):
+    the plan checkpoints, trains like one process, and its measured step peaks within the budget."""
+    smallest = auto_run[0]["smallest_peaks"]
+    low, high = smallest[True], smallest[False]
     budget = (low + high) // 2
     for x in ranks(2).run(auto_cases.auto_checkpointed, "gpt2_tied", budget):
         assert x["checkpoint"] and x["predicted_peak"] <= budget, x
