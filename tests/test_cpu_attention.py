@@ -47,7 +47,9 @@ def _mask(kind: str, dtype):
     if kind == "causal":
         return None
     keep = _keep()
-    return keep if kind == "boolean" else torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    if kind == "boolean":
+        return keep
+    return torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def _run(exs, inputs, grad_out, dtype, mask, causal):
