@@ -14,6 +14,12 @@ otherwise declines, so Thunder decomposes it as before. In a printed trace it re
   -> (grad_q, grad_k, grad_v)`` in the backward, which is what the forward saves for: q, k, v, the output,
   the log-sum-exp and the mask (if any).
 
+Both ops return contiguous ``[b, h, s, d]`` tensors. The kernels lay their results out otherwise (the output as
+the query lies in memory, which after a rotary embedding of a transposed projection is ``[b, s, h, d]``; the
+gradients always ``[b, s, h, d]``); the copy makes the layout the one the memory report
+(:mod:`fsdp_pass.report.memory`, rule 2: an op's result is a new contiguous buffer) follows, so its prediction stays
+the measured peak (a zoo Llama's reshape after the attention would otherwise be free where the report counts a copy).
+
 What it takes (:func:`takes`): 4-D float32 / bfloat16 / float16 query, key and value on the CPU with the same
 batch, heads and head size (no grouped-query broadcast: Hugging Face repeats the key and value heads first),
 no dropout, and no mask or a mask that needs no gradient, of 2 or 4 dimensions broadcastable to
@@ -33,9 +39,9 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.transforms import get_grad, put_grads
 from thunder.extend import OperatorExecutor, register_executor
 
-CPU_ATTENTION_EXECUTOR = "cpu_attention"
-FORWARD_OP = "cpu_flash_attention"
-BACKWARD_OP = "cpu_flash_attention_backward"
+from fsdp_pass.op_names import CPU_ATTENTION_BACKWARD_OP as BACKWARD_OP
+from fsdp_pass.op_names import CPU_ATTENTION_EXECUTOR
+from fsdp_pass.op_names import CPU_ATTENTION_OP as FORWARD_OP
 KERNEL_DTYPES = (dtypes.float32, dtypes.bfloat16, dtypes.float16)
 DEVICES = ("cpu", "meta")  # meta: a dry run standing for the CPU
 
@@ -100,15 +106,17 @@ def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
 
 def _forward_impl(query, key, value, attn_mask, is_causal, scale):
     q, k, v = map(_last_dim_dense, (query, key, value))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=_additive(attn_mask, q.dtype), scale=scale)
+    return out.contiguous(), logsumexp
 
 
 def _backward_impl(grad_out, query, key, value, out, logsumexp, attn_mask, is_causal, scale):
     q, k, v = map(_last_dim_dense, (query, key, value))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _last_dim_dense(grad_out), q, k, v, out, logsumexp, 0.0, is_causal,
         attn_mask=_additive(attn_mask, q.dtype), scale=scale)
+    return tuple(g.contiguous() for g in grads)
 
 
 cpu_flash_attention = cpu_attention_ex.register_operator(
