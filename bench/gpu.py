@@ -47,7 +47,8 @@ Systems (``--only`` picks some, comma-separated):
 
 The Thunder rows run the executor list ``executor_choice(device)`` picks (``--fusion auto``), or
 ``--fusion torchcompile``: Thunder's torch.compile executor also on CPU, which fuses CPU tensors as it does
-CUDA ones, so the fused lowering's memory can be measured without a GPU.
+CUDA ones, so the fused lowering's memory can be measured without a GPU (attention on the device's attention
+executor, as in ``executor_choice``'s list: Thunder's sdpa on CUDA, cpu_attention on CPU).
 
 Per system: build from seed 0, ``--warmup`` steps (compiles), ``--steps`` timed steps (the device
 synchronized around each; median), then one forward + backward under torch's profiler: the share of the
@@ -79,6 +80,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from fsdp_pass_executors import comm_ex, describe, executor_choice
+from fsdp_pass_executors.cpu_attention import cpu_attention_ex
 from thunder.extend import get_executor
 
 from bench.kernel_overlap import cuda_kernels, kernel_overlap
@@ -144,7 +146,7 @@ def thunder_executors(args, device) -> tuple[list, str]:
     """The executor list of the Thunder rows, and why."""
     if args.fusion == "auto":
         return executor_choice(device)
-    attention = [get_executor("sdpa")] if device.type == "cuda" else []
+    attention = [get_executor("sdpa") if device.type == "cuda" else cpu_attention_ex]  # as executor_choice's
     return [comm_ex, *attention, get_executor("torchcompile"), get_executor("torch")], "--fusion torchcompile"
 
 

@@ -29,6 +29,10 @@ ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = CollectiveKind
 
 # the executor that runs this project's collectives and accumulation ops
 COMM_EXECUTOR = "fsdp_comm"
+# the executor that runs attention on CPU tensors with torch's CPU flash kernel, and its two ops
+CPU_ATTENTION_EXECUTOR = "cpu_attention"
+CPU_ATTENTION_OP = "cpu_flash_attention"
+CPU_ATTENTION_BACKWARD_OP = "cpu_flash_attention_backward"
 
 # ops this project defines (symbol ids)
 UNSHARD_UNIT = "fsdp_pass.unshard_unit"

@@ -369,17 +369,20 @@ def test_gradient_shards_count_from_their_reduce_scatter_to_the_optimizer_step()
 
 
 def test_an_attention_computed_op_by_op_keeps_its_scores_and_the_summary_counts_them():
-    """Without an executor that runs attention as one kernel (torch's SDPA on CUDA), Thunder computes it op by op
-    and the forward keeps b·h·s·s scores for the backward: the summary counts what the traces keep."""
+    """Without an executor that runs attention as one kernel (torch's SDPA on CUDA, its CPU flash kernel on CPU),
+    Thunder computes it op by op and the forward keeps b·h·s·s scores for the backward: the summary counts what
+    the traces keep."""
     from thunder.core import dtypes
     from thunder.core.proxies import TensorProxy
     from thunder.core.pytree import tree_flatten
+    from thunder.extend import get_executor
 
     from fsdp_pass.plan.auto_options import fused_attention
     from fsdp_pass.plan.op_tally import attention_scores_bytes
     from fsdp_pass.predicates import is_return
 
-    run = model_dry_run(2, "zero3")  # test_explain's, on the CPU list: no attention kernel
+    # test_explain's model lowered by the torch executor alone (the CPU list's cpu_attention runs it as one kernel)
+    run = model_dry_run(2, "zero3", executors=(get_executor("torch"),))
     (ret,) = [b for b in run.forward.bound_symbols if is_return(b)]
     saved, _ = tree_flatten(ret.args[1])
     scores = [t for t in saved if isinstance(t, TensorProxy) and t.ndim == 4 and t.shape[-1] == t.shape[-2] > 1]

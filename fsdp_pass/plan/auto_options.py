@@ -97,8 +97,9 @@ def agreed_settings(settings: AutoSettings, device, group) -> AutoSettings:
 
 
 # executors that run an attention as one kernel with a backward of their own (when their checker takes it:
-# torch's SDPA kernels want CUDA tensors); Thunder's torch executor and the fusion executors decompose it
-ATTENTION_KERNEL_EXECUTORS = ("sdpa", "cudnn", "nvfuser")
+# Thunder's sdpa wants CUDA tensors, cpu_attention CPU ones); Thunder's torch executor and the fusion executors
+# decompose it
+ATTENTION_KERNEL_EXECUTORS = ("sdpa", "cudnn", "nvfuser", "cpu_attention")
 
 
 def fused_attention(executors):

@@ -10,7 +10,8 @@ without allocating the model.
    without running it: the same units, collectives, schedule and labels as a real run. ``torch.autocast``
    regions the model opens on the meta device stand for the CPU's (:mod:`fsdp_pass.report.meta_autocast`).
 4. It lowers for the target ``device`` (:func:`target_device`: ``"cuda"`` when the cost inputs are a GPU's):
-   ``"cpu"`` with the CPU's executors (attention decomposed, its probabilities saved for the backward);
+   ``"cpu"`` with the CPU's executors (attention on torch's CPU flash kernel, whose meta implementation
+   gives the shapes: the output and a float32 log-sum-exp per row saved for the backward, no probabilities);
    ``"cuda"`` with the executors of ``fsdp_pass_executors.dry_run_choice("cuda")``: attention on Thunder's
    sdpa executor, whose kernel is chosen for meta tensors as torch does on an H100
    (:mod:`fsdp_pass.report.meta_attention`, the one modelled step), and the rest fused by torchcompile.
