@@ -48,8 +48,9 @@ Memory, per rank, at the end of each unit's forward and at both ends of its back
 - activations: every piece's up to this point of the forward, or not yet passed back in the backward (a
   checkpointed unit's: what it keeps; at the start of its backward what it recomputes too);
 - in the backward, the buffers of the two reduce-scatters still in flight, the gathers issued and not yet used,
-  the gradient of the forward's output, which the autograd engine holds through the whole backward, and the
-  larger of the unit's two ends: its start (its gathered parameters, its activations, and its working set:
+  and the larger of the unit's two ends: its start (its gathered parameters, its activations, for the last unit
+  the gradients of the forward's outputs, which the backward receives and frees once its ops have read them (the
+  memory report's rule 5: torch's autograd engine keeps no reference), and its working set:
   :data:`WORKING_RESULTS` times its largest forward result, the gradient an op receives, the one it makes, a
   temporary, one of them under fusion, :data:`FUSED_WORKING_RESULTS`; checkpointed, what it recomputed) and its end
   (its gradients in the gathered dtype and the flat buffer they are packed into in the reduce dtype,
@@ -237,11 +238,12 @@ def peak_of(
             gathered = 0
         ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT])
-        common = persistent + reduced + kept + ahead + in_flight + output_grad
+        common = persistent + reduced + kept + ahead + in_flight
         # its backward starts with its parameters gathered, its activations kept and the gradients of its largest
-        # results being made, and ends with its gradients packed for the reduce-scatter, the rest freed: each op
-        # of it that makes a gradient frees what it read
-        start = gathered + acts + units[j].recomputed + units[j].working
+        # results being made (the last unit's: the forward's outputs' gradients too, which its ops read and free),
+        # and ends with its gradients packed for the reduce-scatter, the rest freed: each op of it that makes a
+        # gradient frees what it read
+        start = gathered + acts + units[j].recomputed + units[j].working + (output_grad if j == k - 1 else 0)
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
         live = common + max(start, acts - units[j].activations + made + units[j].grads)
         if live > best:
