@@ -47,6 +47,9 @@ Memory, per rank, at the end of each unit's forward and at both ends of its back
   the gathers issued and not yet used;
 - activations: every piece's up to this point of the forward, or not yet passed back in the backward (a
   checkpointed unit's: what it keeps; at the start of its backward what it recomputes too);
+- before the backward, where the caller computes the loss on the outputs (``StepSummary.loss_bytes``, a
+  cross-entropy's log-probabilities and their gradient): those, the outputs' gradients, the kept units and every
+  activation, no backward gather issued yet (the loss runs before the backward trace);
 - in the backward, the buffers of the two reduce-scatters still in flight, the gathers issued and not yet used,
   and the larger of the unit's two ends: its start (its gathered parameters, its activations, for the last unit
   the gradients of the forward's outputs, which the backward receives and frees once its ops have read them (the
@@ -211,7 +214,8 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
 
 
 def peak_of(
-    units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0
+    units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0,
+    loss: int = 0,
 ) -> tuple[int, str]:
     k = len(units)
     forward, f_anchor, backward, b_anchor = _gather_orders(candidate, units)
@@ -226,6 +230,11 @@ def peak_of(
             best, where = live, f"forward of {names[i]}"
         if not candidate.reshard[i]:
             kept += units[i].gathered
+    # the caller's loss, before the backward trace: its bytes beside the outputs' gradients, the kept units (the last
+    # one too where kept) and every activation, no backward gather issued yet
+    live = persistent + kept + acts + output_grad + loss
+    if loss and live > best:
+        best, where = live, "the caller's loss, before the backward"
     latest_wait = -1  # the backward gathers waited for so far
     reduced = 0  # the gradient shards the backward has made so far
     for j in range(k - 1, -1, -1):
@@ -264,7 +273,7 @@ def predict(summary: StepSummary, candidate: Candidate, cost: CostInputs, names:
     units = unit_costs(summary, candidate, cost)
     names = names or [summary.pieces[s.start].name for s in candidate.spans(len(summary.pieces))]
     persistent = persistent_bytes(summary, candidate.offload)
-    peak, where = peak_of(units, candidate, names, persistent, summary.output_bytes)
+    peak, where = peak_of(units, candidate, names, persistent, summary.output_bytes, summary.loss_bytes)
     optimizer = optimizer_seconds(summary, cost)
     return Prediction(
         _step_seconds(units, candidate, cost) + optimizer, compute_seconds(units, candidate), peak, where,
