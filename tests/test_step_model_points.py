@@ -42,3 +42,18 @@ def test_the_callers_loss_is_a_point_before_the_backward_with_the_last_unit_as_t
     assert peak_of(units, head_resharded, names, 0, output_grad=20, loss=40) == (110 + 20 + 40, at)
     # without a caller's loss the point is below the last unit's backward start (its parameters gathered there)
     assert peak_of(units, head_resharded, names, 0, output_grad=20)[1] == "backward of u1"
+
+
+def test_over_one_rank_no_reduce_scatter_buffer_is_in_flight_beside_the_gradient_shard():
+    """Over a group of one rank a reduce-scatter returns its input: the flat gradient buffer is the gradient shard,
+    held to the optimizer's step, and no second buffer waits in flight. Counted twice, the head's 15.6 MiB put the
+    zoo Llama's predicted peak (world 1, CPU) at layer 7's backward, above the traced peak at the caller's loss."""
+    from dataclasses import replace
+
+    names = ["u0", "u1"]
+    no_prefetch = Candidate((0, 1), (True, True), prefetch=0)
+    units = [_unit(100, 10, 10, shard=10), _unit(10, 50, 10, shard=50)]
+    # u0's backward start at 2 ranks: u1's shard and its flat buffer in flight, u0 gathered, its activations
+    assert peak_of(units, no_prefetch, names, 0) == (50 + 50 + 100 + 10, "backward of u0")
+    one_rank = [replace(u, reduced_in_place=True) for u in units]
+    assert peak_of(one_rank, no_prefetch, names, 0) == (50 + 100 + 10, "backward of u0")

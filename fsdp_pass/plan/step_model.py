@@ -50,7 +50,8 @@ Memory, per rank, at the end of each unit's forward and at both ends of its back
 - before the backward, where the caller computes the loss on the outputs (``StepSummary.loss_bytes``, a
   cross-entropy's log-probabilities and their gradient): those, the outputs' gradients, the kept units and every
   activation, no backward gather issued yet (the loss runs before the backward trace);
-- in the backward, the buffers of the two reduce-scatters still in flight, the gathers issued and not yet used,
+- in the backward, the buffers of the two reduce-scatters still in flight (none over a group of one rank, where a
+  reduce-scatter returns its input, the gradient shard counted above), the gathers issued and not yet used,
   and the larger of the unit's two ends: its start (its gathered parameters, its activations, for the last unit
   the gradients of the forward's outputs, which the backward receives and frees once its ops have read them (the
   memory report's rule 5: torch's autograd engine keeps no reference), and its working set:
@@ -246,7 +247,7 @@ def peak_of(
         else:
             gathered = 0
         ahead = b_unused[latest_wait + 1]
-        in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT])
+        in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT] if not u.reduced_in_place)
         common = persistent + reduced + kept + ahead + in_flight
         # its backward starts with its parameters gathered, its activations kept and the gradients of its largest
         # results being made (the last unit's: the forward's outputs' gradients too, which its ops read and free),
