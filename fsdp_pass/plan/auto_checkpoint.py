@@ -65,7 +65,8 @@ def with_moves(c: Candidate, taken) -> Candidate:
 
 def _peak(summary: StepSummary, c: Candidate, cost: CostInputs, names) -> int:
     units = unit_costs(summary, c, cost)
-    return peak_of(units, c, list(names), persistent_bytes(summary, c.offload), summary.output_bytes)[0]
+    return peak_of(units, c, list(names), persistent_bytes(summary, c.offload), summary.output_bytes,
+                   summary.loss_bytes)[0]
 
 
 def checkpointed_for_budget(summary: StepSummary, c: Candidate, cost: CostInputs, budget: int, names) -> Candidate:

@@ -77,6 +77,9 @@ class UnitCost:
     # the indices only, and Thunder's autodiff gathers a unit again only where the backward reads it)
     reads_params: bool = True
     compute_grads: int = 0  # its gradients as the backward makes them, in the gathered dtype (0: ``grads``)
+    # over a group of one rank the reduce-scatter returns its input: the buffer it holds is the gradient shard
+    # (``shard``), and nothing else is in flight until its wait
+    reduced_in_place: bool = False
 
     def forward_total_s(self) -> float:
         return self.forward_s + self.gather_ops_s
@@ -137,6 +140,7 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 recompute_s,
                 any(p.backward_reads_params for p in ps),
                 sum(p.compute_grad_bytes or p.grad_bytes for p in ps),
+                summary.ranks == 1,
             )
         )
     return out

@@ -44,7 +44,8 @@ class PerUnitDecisions:
             return replace(keep_all, reshard=tuple(i in chosen for i in range(len(units))))
 
         def within(m: int) -> bool:
-            return peak_of(units, flipped(m), names, persistent, self.summary.output_bytes)[0] <= self.budget
+            return peak_of(units, flipped(m), names, persistent, self.summary.output_bytes,
+                           self.summary.loss_bytes)[0] <= self.budget
 
         lo, hi = 0, len(by_size)
         if not within(hi):
@@ -65,7 +66,8 @@ class PerUnitDecisions:
 
         def peak(flags) -> int:
             candidate = replace(c, reshard=tuple(flags))
-            return peak_of(units, candidate, list(t.names), persistent, self.summary.output_bytes)[0]
+            return peak_of(units, candidate, list(t.names), persistent, self.summary.output_bytes,
+                           self.summary.loss_bytes)[0]
 
         flags = [False] * len(units)
         while peak(flags) > self.budget:
@@ -91,7 +93,7 @@ class PerUnitDecisions:
         def within(flags) -> bool:
             candidate = replace(c, reshard=tuple(flags))
             return self.budget is None or peak_of(units, candidate, list(names), persistent,
-                                                  self.summary.output_bytes)[0] <= self.budget
+                                                  self.summary.output_bytes, self.summary.loss_bytes)[0] <= self.budget
 
         flags = list(c.reshard)
         if not within(flags):

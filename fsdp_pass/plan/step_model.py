@@ -47,9 +47,14 @@ Memory, per rank, at the end of each unit's forward and at both ends of its back
   the gathers issued and not yet used;
 - activations: every piece's up to this point of the forward, or not yet passed back in the backward (a
   checkpointed unit's: what it keeps; at the start of its backward what it recomputes too);
-- in the backward, the buffers of the two reduce-scatters still in flight, the gathers issued and not yet used,
-  the gradient of the forward's output, which the autograd engine holds through the whole backward, and the
-  larger of the unit's two ends: its start (its gathered parameters, its activations, and its working set:
+- before the backward, where the caller computes the loss on the outputs (``StepSummary.loss_bytes``, a
+  cross-entropy's log-probabilities and their gradient): those, the outputs' gradients, the kept units and every
+  activation, no backward gather issued yet (the loss runs before the backward trace);
+- in the backward, the buffers of the two reduce-scatters still in flight (none over a group of one rank, where a
+  reduce-scatter returns its input, the gradient shard counted above), the gathers issued and not yet used,
+  and the larger of the unit's two ends: its start (its gathered parameters, its activations, for the last unit
+  the gradients of the forward's outputs, which the backward receives and frees once its ops have read them (the
+  memory report's rule 5: torch's autograd engine keeps no reference), and its working set:
   :data:`WORKING_RESULTS` times its largest forward result, the gradient an op receives, the one it makes, a
   temporary, one of them under fusion, :data:`FUSED_WORKING_RESULTS`; checkpointed, what it recomputed) and its end
   (its gradients in the gathered dtype and the flat buffer they are packed into in the reduce dtype,
@@ -210,7 +215,8 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
 
 
 def peak_of(
-    units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0
+    units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0,
+    loss: int = 0,
 ) -> tuple[int, str]:
     k = len(units)
     forward, f_anchor, backward, b_anchor = _gather_orders(candidate, units)
@@ -225,6 +231,11 @@ def peak_of(
             best, where = live, f"forward of {names[i]}"
         if not candidate.reshard[i]:
             kept += units[i].gathered
+    # the caller's loss, before the backward trace: its bytes beside the outputs' gradients, the kept units (the last
+    # one too where kept) and every activation, no backward gather issued yet
+    live = persistent + kept + acts + output_grad + loss
+    if loss and live > best:
+        best, where = live, "the caller's loss, before the backward"
     latest_wait = -1  # the backward gathers waited for so far
     reduced = 0  # the gradient shards the backward has made so far
     for j in range(k - 1, -1, -1):
@@ -236,12 +247,13 @@ def peak_of(
         else:
             gathered = 0
         ahead = b_unused[latest_wait + 1]
-        in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT])
-        common = persistent + reduced + kept + ahead + in_flight + output_grad
+        in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT] if not u.reduced_in_place)
+        common = persistent + reduced + kept + ahead + in_flight
         # its backward starts with its parameters gathered, its activations kept and the gradients of its largest
-        # results being made, and ends with its gradients packed for the reduce-scatter, the rest freed: each op
-        # of it that makes a gradient frees what it read
-        start = gathered + acts + units[j].recomputed + units[j].working
+        # results being made (the last unit's: the forward's outputs' gradients too, which its ops read and free),
+        # and ends with its gradients packed for the reduce-scatter, the rest freed: each op of it that makes a
+        # gradient frees what it read
+        start = gathered + acts + units[j].recomputed + units[j].working + (output_grad if j == k - 1 else 0)
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
         live = common + max(start, acts - units[j].activations + made + units[j].grads)
         if live > best:
@@ -262,7 +274,7 @@ def predict(summary: StepSummary, candidate: Candidate, cost: CostInputs, names:
     units = unit_costs(summary, candidate, cost)
     names = names or [summary.pieces[s.start].name for s in candidate.spans(len(summary.pieces))]
     persistent = persistent_bytes(summary, candidate.offload)
-    peak, where = peak_of(units, candidate, names, persistent, summary.output_bytes)
+    peak, where = peak_of(units, candidate, names, persistent, summary.output_bytes, summary.loss_bytes)
     optimizer = optimizer_seconds(summary, cost)
     return Prediction(
         _step_seconds(units, candidate, cost) + optimizer, compute_seconds(units, candidate), peak, where,

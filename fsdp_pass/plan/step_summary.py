@@ -42,8 +42,10 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    returned results' gradients are item 6's).
 
 6. ``output_bytes`` (of the whole step): the forward's floating-point results, whose gradients the backward
-   receives and torch's autograd engine holds until the backward returns (the logits, when the loss is
-   computed outside the model; a scalar when it is inside).
+   receives and frees once the last unit's ops have read them (the logits, when the loss is computed outside the
+   model; a scalar when it is inside). ``loss_bytes``: what a loss the caller computes on those outputs holds at
+   the backward's start (:func:`~fsdp_pass.plan.plan_units.caller_loss_bytes`, the memory report's rule 6; 0 where
+   the forward returns its own loss).
 
 7. ``replicas`` (of the whole step): under HSDP, how many copies of the shard group all-reduce each reduced
    gradient shard (``ranks`` is the shard group's size).
@@ -101,9 +103,10 @@ class StepSummary:
     pieces: tuple[Piece, ...]
     ranks: int  # of the shard group
     optimizer: Optimizer = ADAMW  # what steps the shards: its states per element and its time (plan.optimizers)
-    output_bytes: int = 0  # the forward's floating-point results: their gradients live through the backward
+    output_bytes: int = 0  # the forward's floating-point results: their gradients live through the last unit's backward
     replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
     fused: bool = False  # a fusion executor runs the elementwise ops (the CUDA lowering): step_model's working set
+    loss_bytes: int = 0  # what the caller's loss on the outputs holds at the backward's start (item 6)
 
     @property
     def shard_bytes(self) -> int:
@@ -205,7 +208,10 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
-    return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses)
+    from fsdp_pass.plan.plan_units import caller_loss_bytes  # plan_units reads returned_outputs from here
+
+    return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
+                       caller_loss_bytes(computation, param_of_arg, precision))
 
 
 def returned_outputs(computation) -> list[TensorProxy]:
