@@ -22,7 +22,8 @@ import math
 import pytest
 import thunder
 import torch
-from fsdp_pass_executors.cpu_attention import FORWARD_OP, cpu_attention_ex
+from fsdp_pass.plan.op_flops import causal_pairs, estimated_flops, is_attention, is_causal
+from fsdp_pass_executors.cpu_attention import BACKWARD_OP, FORWARD_OP, cpu_attention_ex
 from thunder.extend import get_executor
 
 B, H, S, D, SCALE = 2, 4, 32, 16, 0.25
@@ -125,3 +126,19 @@ def test_declines_what_the_kernel_does_not_compute_alike(case):
     jfn = thunder.jit(attention, executors=[cpu_attention_ex, get_executor("torch")])
     jfn(q, k, v, mask, False, dropout)
     assert FORWARD_OP not in _ops(jfn)
+
+
+def test_the_flop_count_reads_its_two_ops_as_the_attention_they_run():
+    """The overlap report and the loop's model FLOPs (``op_flops.estimated_flops``) count cpu_attention's forward and
+    backward ops as an attention: 4·b·h·s_q·s_k·d, less the half a causal kernel skips where asked (``is_causal``
+    read by its position in each op)."""
+    q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+    jfn = thunder.jit(attention, executors=[cpu_attention_ex, get_executor("torch")])
+    jfn(q, k, v, None, True).sum().backward()
+    traces = thunder.last_traces(jfn)[-1], thunder.last_backward_traces(jfn)[-1]
+    ops = [b for t in traces for b in t.bound_symbols if str(b.sym.name) in (FORWARD_OP, BACKWARD_OP)]
+    assert [str(b.sym.name) for b in ops] == [FORWARD_OP, BACKWARD_OP]
+    for b in ops:
+        assert is_attention(b) and is_causal(b)
+        assert estimated_flops(b, skips_masked=False) == 4 * B * H * S * S * D
+        assert estimated_flops(b) == 4 * B * H * causal_pairs(S, S) * D

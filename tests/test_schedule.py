@@ -349,7 +349,7 @@ def test_schedule_settings_are_checked():
 
 def test_the_printed_trace_names_the_executor_of_each_collective(compiled):
     forward, backward, _ = compiled["default"]
-    assert [e.name for e in executors_for("cpu")] == ["fsdp_comm", "torch"]
+    assert [e.name for e in executors_for("cpu")] == ["fsdp_comm", "cpu_attention", "torch"]
     for text in (str(forward), str(backward)):
         assert "fsdp_all_gather(" in text and "fsdp_wait(" in text and "torch_all_gather_prim_impl" not in text
     assert "fsdp_reduce_scatter(" in str(backward)

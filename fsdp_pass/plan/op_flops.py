@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import math
 
+from fsdp_pass.op_names import CPU_ATTENTION_BACKWARD_OP, CPU_ATTENTION_OP
+
+# attention kernels named by what runs them, not after torch's op: fsdp_pass_executors.cpu_attention's
+_ATTENTION_KERNELS = (CPU_ATTENTION_OP, CPU_ATTENTION_BACKWARD_OP)
+# where the ops that take ``is_causal`` by position have it: torch's signature, and cpu_attention's two ops
+_CAUSAL_AT = {"scaled_dot_product_attention": 5, CPU_ATTENTION_OP: 4, CPU_ATTENTION_BACKWARD_OP: 7}
+
 
 def numel(proxy) -> int:
     return math.prod(proxy.shape) if getattr(proxy, "shape", None) is not None else 0
@@ -24,14 +31,17 @@ def is_matmul_like(bsym) -> bool:
 
 
 def is_attention(bsym) -> bool:
-    return "scaled_dot_product" in str(bsym.sym.name)
+    name = str(bsym.sym.name)
+    return "scaled_dot_product" in name or name in _ATTENTION_KERNELS
 
 
 def is_causal(bsym) -> bool:
-    """An attention called with ``is_causal=True`` (by keyword, or sixth as torch's signature has it)."""
+    """An attention called with ``is_causal=True`` (by keyword, or by position as torch's signature and
+    cpu_attention's ops have it)."""
     if "is_causal" in bsym.kwargs:
         return bool(bsym.kwargs["is_causal"])
-    return str(bsym.sym.name) == "scaled_dot_product_attention" and len(bsym.args) > 5 and bsym.args[5] is True
+    at = _CAUSAL_AT.get(str(bsym.sym.name))
+    return at is not None and len(bsym.args) > at and bsym.args[at] is True
 
 
 def causal_pairs(s_q: int, s_k: int) -> int:
@@ -53,7 +63,8 @@ def estimated_flops(bsym, skips_masked: bool = True) -> int:
     if name in ("matmul", "linear") and tensors_in and tensors_in[0].shape:
         return 2 * numel(tensors_out[0]) * tensors_in[0].shape[-1]
     if is_attention(bsym) and len(tensors_in) >= 2 and len(tensors_in[0].shape) >= 2:
-        q, k = tensors_in[0], tensors_in[1]
+        # the query and the key: a backward kernel of cpu_attention reads the output's gradient first
+        q, k = tensors_in[1:3] if name == CPU_ATTENTION_BACKWARD_OP else tensors_in[:2]
         s_q, s_k = int(q.shape[-2]), int(k.shape[-2])
         pairs = causal_pairs(s_q, s_k) if skips_masked and is_causal(bsym) else s_q * s_k
         return 4 * (numel(q) // max(s_q, 1)) * pairs
