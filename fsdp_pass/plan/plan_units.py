@@ -27,13 +27,11 @@ from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
-from fsdp_pass.plan.step_summary import returned_outputs
+from fsdp_pass.plan.step_summary import caller_loss_bytes
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.plan.mixed_precision import thunder_dtype
-from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like
-from fsdp_pass.report.memory import caller_loss
+from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_view_like
 from fsdp_pass.report.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
@@ -98,25 +96,6 @@ def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
     they are not (nothing after it; a small loss such as a mean squared error), the unit's own backward holds as
     much (the unit and its gradients), so keeping it raises no peak and saves a gather."""
     return after_bytes <= unit_bytes
-
-
-def differentiable_outputs(computation, param_of_arg: dict[str, str]) -> list:
-    """The floating-point tensors the forward returns (under ``"output"``) that a parameter reaches (or an input
-    that requires a gradient): those whose gradients the backward receives."""
-    reached = set(param_of_arg) | {a.name for a in computation.args if getattr(a, "requires_grad", False)}
-    for b in computation.bound_symbols:
-        if not is_return(b) and any(p.name in reached for p in b.flat_proxy_args):
-            reached.update(o.name for o in b.flat_proxy_outs if is_float_tensor(o))
-    return [o for o in returned_outputs(computation) if o.name in reached]
-
-
-def caller_loss_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
-    """What a loss the caller computes on the forward's outputs holds at the backward's start, as the memory model
-    prices it (its rule 6, :func:`fsdp_pass.report.memory.caller_loss`: a cross-entropy's log-probabilities and
-    their gradient, two buffers as large as the logits, in the mixed ``precision``'s ``output_dtype``); 0 where the
-    forward returns its own loss (a 0-d output with a gradient) or nothing with a gradient."""
-    dtype = thunder_dtype(getattr(precision, "output_dtype", None))
-    return sum(n for _, n in caller_loss(differentiable_outputs(computation, param_of_arg), dtype))
 
 
 def trailing_compute_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
