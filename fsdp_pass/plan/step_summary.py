@@ -47,6 +47,10 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    the backward's start (:func:`caller_loss_bytes`, the memory report's rule 6; 0 where
    the forward returns its own loss).
 
+8. ``gathers_views`` (of the whole step): whether a unit's gather is its shards themselves, views and no copy
+   (:func:`~fsdp_pass.ops.unshard.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
+   no quantized gather; offload, a candidate's choice, copies them all the same).
+
 7. ``replicas`` (of the whole step): under HSDP, how many copies of the shard group all-reduce each reduced
    gradient shard (``ranks`` is the shard group's size).
 
@@ -61,6 +65,7 @@ from dataclasses import dataclass
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
+from fsdp_pass.ops.unshard import gathers_nothing
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.plan.op_tally import ops_by_piece, tensor_bytes
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
@@ -108,6 +113,7 @@ class StepSummary:
     replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
     fused: bool = False  # a fusion executor runs the elementwise ops (the CUDA lowering): step_model's working set
     loss_bytes: int = 0  # what the caller's loss on the outputs holds at the backward's start (item 6)
+    gathers_views: bool = False  # a unit's gather is its shards themselves (item 8): one rank, nothing cast
 
     @property
     def shard_bytes(self) -> int:
@@ -209,8 +215,10 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
+    cast = [p for _, _, ps in found for p in ps if precision.param_dtype not in (None, sharding.param(p).dtype)]
+    views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
     return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
-                       caller_loss_bytes(computation, param_of_arg, precision))
+                       caller_loss_bytes(computation, param_of_arg, precision), views)
 
 
 def returned_outputs(computation) -> list[TensorProxy]:
