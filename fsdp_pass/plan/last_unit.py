@@ -57,11 +57,12 @@ class LastUnit:
         return f"the step model predicts no lower step peak resharding it: {kept} kept, {resharded} resharded"
 
 
-def last_unit(summary: StepSummary, template: Candidate) -> LastUnit:
-    """The step model's two step peaks for the units of ``template``: every unit resharded, or all but the last."""
+def last_unit(summary: StepSummary, template: Candidate, names: list[str] | None = None) -> LastUnit:
+    """The step model's two step peaks for the units of ``template`` (named ``names`` where the peaks are placed):
+    every unit resharded, or all but the last."""
     k = len(template.starts)
     units = unit_costs(summary, template, _BYTES_ONLY)  # what they cost does not depend on the resharding
-    names = [f"unit {i}" for i in range(k)]
+    names = list(names) if names is not None else [summary.pieces[s].name for s in template.starts]
     persistent = persistent_bytes(summary, template.offload)
 
     def peak(reshard):

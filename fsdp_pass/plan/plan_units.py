@@ -160,7 +160,7 @@ def _reshard(units: list[Unit], sharding: ShardingPlan, options: FSDPOptions, no
         zero3 = sharding.strategy is Strategy.ZERO3 and len(units) > 0
         template = _priced_template(units, options, levels, summary) if zero3 else None
         if template is not None:
-            decided = last_unit(summary, template)
+            decided = last_unit(summary, template, [u.name for u in units])
             last_reshards = decided.reshards
             verdict = ("reshards after forward although the forward gathers it last" if last_reshards
                        else "stays gathered after forward")
