@@ -1,13 +1,15 @@
 """The pass's own step cost: one process, world 1 (a one-rank gloo group), plain thunder.jit against FSDP zero3.
 
-    python -m bench.step_cost [--threads 1] [--layers 24] [--rounds 8] [--steps 5] [--profile]
+    python -m bench.step_cost [--threads 1] [--layers 24] [--rounds 8] [--steps 5] [--profile] [--clock cpu]
 
 A 24-layer Llama-style model at d 64 is almost all per-op overhead, so the gap between the two rows is what
 the pass adds per step: its packing ops, the collectives (at world 1 no backend call: a gather or reduce-scatter
 returns its input) and
 the waits. Prints the median step (forward, loss, backward, AdamW) of each, the two rows taking turns so
 that a drifting machine load weighs on both alike; ``--profile`` adds cProfile's
-top functions by own time for the FSDP row, to see whether the pass's ops or the compute grew.
+top functions by own time for the FSDP row, to see whether the pass's ops or the compute grew. ``--clock cpu``
+times each step by this thread's CPU time (``time.thread_time``) instead of the wall clock: on a shared machine
+the wall clock is mostly the wait for a core (one compute thread; at world 1 gloo's threads do no work).
 """
 
 from __future__ import annotations
@@ -47,16 +49,16 @@ def stepper(transforms, cfg: Config):
     return step
 
 
-def interleaved_medians(steps: dict, rounds: int, per_round: int) -> dict[str, float]:
+def interleaved_medians(steps: dict, rounds: int, per_round: int, clock=time.perf_counter) -> dict[str, float]:
     """Median step ms of each, the rows taking turns (``per_round`` steps each per round), so that the
-    machine's load drifting over the run weighs on every row alike."""
+    machine's load drifting over the run weighs on every row alike; ``clock``: what times a step."""
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             for _ in range(per_round):
-                t0 = time.perf_counter()
+                t0 = clock()
                 step()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
@@ -74,6 +76,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5, help="steps of each row per round")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by the wall clock or by this thread's CPU time (a shared machine)")
     p.add_argument("--units", default=None,
                    help="FSDP's units= (e.g. blocks); left out: the default, units the step model chooses")
     args = p.parse_args(argv)
@@ -83,13 +87,14 @@ def main(argv=None) -> None:
     units = {} if args.units is None else {"units": args.units}
     cfg = Config(vocab=1000, d=64, n_head=4, hidden=176, n_layer=args.layers, seq=64, local_batch=2)
     steps = {"thunder.jit": stepper([], cfg), "FSDP zero3": stepper([FSDP("zero3", **units)], cfg)}
-    ms = interleaved_medians(steps, args.rounds, args.steps)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    ms = interleaved_medians(steps, args.rounds, args.steps, clock)
     if args.profile:
         profile_of(steps["FSDP zero3"])
     plain, ours = ms["thunder.jit"], ms["FSDP zero3"]
     print(f"{args.layers} layers, d 64, {args.threads} thread(s), median of {args.rounds} x {args.steps} steps "
           f"(rows taking turns): thunder.jit {plain:.1f} ms, FSDP zero3 {ours:.1f} ms ({ours / plain:.2f}x); "
-          f"units={args.units or 'the default (the step model)'}")
+          f"units={args.units or 'the default (the step model)'}; {args.clock} clock")
     dist.destroy_process_group()
 
 

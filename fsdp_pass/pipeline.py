@@ -58,7 +58,7 @@ from fsdp_pass.passes.units_of_collectives import units_of_collectives
 from fsdp_pass.plan.auto_options import options_from_auto_plan, step_summary
 from fsdp_pass.plan.default_units import ChosenUnits, StepModelUnits, options_with_chosen_units
 from fsdp_pass.plan.options import FSDPOptions
-from fsdp_pass.plan.plan_units import plan_units, trailing_compute_bytes
+from fsdp_pass.plan.plan_units import plan_units
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
@@ -87,14 +87,13 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     param_of_arg = parameter_names_of_args(prologue, computation)
     summary = step_summary(computation, param_of_arg, model, options, executors)
     auto = choice = None
-    after_bytes = trailing_compute_bytes(computation, param_of_arg, options.mixed_precision)  # ZeRO-3 keeps the last unit?
     if options.auto is not None:
-        options, auto = options_from_auto_plan(summary, model, options, after_bytes)
+        options, auto = options_from_auto_plan(summary, model, options)
     elif isinstance(options.unit_policy, StepModelUnits):
-        options, choice = options_with_chosen_units(summary, model, options, after_bytes)
+        options, choice = options_with_chosen_units(summary, model, options)
     elif isinstance(options.unit_policy, ChosenUnits):  # a later compile: the first compile's choice, kept
         choice = options.unit_policy.choice
-    plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree)
+    plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree, summary)
     plan = replace(plan, auto=auto, summary=summary, units_choice=choice)
     prologue = shard_prologue(prologue, model.sharding, model.placed_on, grad_sync)
     offloaded = options.offload_to is not None

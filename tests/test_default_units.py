@@ -47,14 +47,12 @@ def test_the_default_units_are_the_step_models_fastest(default, blocks):
                            for u in plan.units}))
     options = default.fsdp.compiled_step.options
 
-    def zero3(units):  # ZeRO-3 over these units, the last one resharded where the loss after it outgrows it
-        return candidate(units, options, summary, choice.after_bytes)
+    def zero3(units):  # ZeRO-3 over these units, the last one resharded where the step model predicts less peak
+        return candidate(units, options, summary)
 
-    # the compiled plans reshard as the priced candidates do (test_explain's model computes a cross-entropy after
-    # its head, larger than the head: one unit per block reshards every unit)
+    # the compiled plans reshard as the priced candidates do (ZeRO-3's last unit: plan.last_unit, both plans)
     assert tuple(u.reshard_after_forward for u in plan.units) == zero3(starts).reshard
-    assert all(u.reshard_after_forward for u in blocks.explanation.plan.units)
-    assert zero3(block_starts(summary)).reshard == (True,) * len(block_starts(summary))
+    assert tuple(u.reshard_after_forward for u in blocks.explanation.plan.units) == zero3(block_starts(summary)).reshard
     chosen = predict(summary, zero3(starts), CPU)
     # the compiled plan is the one priced, and it is faster than one unit per block (by the 2 % it must be)
     assert default.predict_step("cpu-gloo").step_s == pytest.approx(chosen.step_s)
@@ -89,11 +87,11 @@ def test_units_blocks_is_todays_plan(blocks):
 def test_the_choice_fits_the_budget_and_keeps_blocks_where_it_cannot_price(default):
     plan = default.fsdp.compiled_step.plan
     summary, options = plan.summary, default.fsdp.compiled_step.options
-    free = choose_units(summary, options, CPU, None, plan.units_choice.after_bytes)
+    free = choose_units(summary, options, CPU, None)
     assert free.groups == plan.units_choice.groups  # a pure function of the summary, options and cost inputs
     budget = free.blocks.peak_bytes  # one unit per block fits it, the unbounded choice does not
     assert free.prediction.peak_bytes > budget
-    bound = choose_units(summary, options, CPU, budget, plan.units_choice.after_bytes)
+    bound = choose_units(summary, options, CPU, budget)
     assert bound.prediction.peak_bytes <= budget and bound.prediction.step_s <= bound.blocks.step_s
     for unpriced in (replace(options, schedule=None), replace(options, reshard_after_forward=lambda u: True)):
         kept = choose_units(summary, unpriced, CPU, None)

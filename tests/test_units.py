@@ -72,10 +72,14 @@ def test_collective_counts_follow_the_unit_formula(compiled):
     # only the indices); nor a unit kept gathered for the backward (here the last one)
     assert counts["zero3_all"] == (units, units - 1, units)
     assert counts["zero3_kept"] == (units, units - 2, units)
-    # by default the last unit reshards too: the tests' Llama returns its logits (2 x 8 x 37), so the loss is the
-    # caller's, taken to be a cross-entropy (two buffers the logits' size, 4.6 KiB), which outgrows the head (2.4 KiB)
-    assert counts["zero3"] == (units, units - 1, units)
-    assert [u.reshard_after_forward for u in compiled["zero3"][2].units] == [True] * units
+    # by default the last unit as the step model decides it (test_zero3_reshards_the_last_unit_only_where_...)
+    from fsdp_pass.plan.candidate_costs import Candidate
+    from fsdp_pass.plan.last_unit import last_unit, starts_of
+
+    plan = compiled["zero3"][2]  # the default schedule: prefetch 1
+    reshards = last_unit(plan.summary, Candidate(starts_of(plan.summary, [u.params for u in plan.units]), ())).reshards
+    assert counts["zero3"] == (units, units - 2 + reshards, units)
+    assert [u.reshard_after_forward for u in plan.units] == [True] * (units - 1) + [reshards]
 
 
 def test_bytes_per_step_are_the_floor_plus_padding(compiled):
@@ -170,7 +174,7 @@ def test_a_bad_unit_spec_fails_the_compile_with_a_clear_message():
 class _HeadLast(nn.Module):
     """Two layers and a head; the forward returns ``loss``: ``"cross_entropy"`` computed after the head (a Hugging
     Face model fed labels), ``"square"``: the mean of the squared logits (a loss smaller than the head), or
-    ``"logits"`` (the caller computes the loss). Each reshapes the logits after the head: a view, not compute."""
+    ``"logits"``, the head's output itself (the caller computes the loss)."""
 
     def __init__(self, loss: str, d=16, vocab=37):
         super().__init__()
@@ -181,44 +185,46 @@ class _HeadLast(nn.Module):
     def forward(self, x, y):
         for layer in self.layers:
             x = torch.tanh(layer(x))
+        if self.loss == "logits":
+            return self.head(x)
         logits = self.head(x).view(-1, self.head.out_features)
         if self.loss == "cross_entropy":
             return nn.functional.cross_entropy(logits, y)
-        return logits.square().mean() if self.loss == "square" else logits
+        return logits.square().mean()
 
 
-@pytest.mark.parametrize("loss, world, rows", [("cross_entropy", 1, 8), ("cross_entropy", 2, 8), ("square", 2, 8),
-                                               ("logits", 2, 8), ("logits", 2, 64)])
-def test_zero3_keeps_the_last_unit_unless_what_computes_after_it_outgrows_it(loss, world, rows):
-    """ZeRO-3 keeps the last unit gathered into the backward when the forward computes less after it than the unit
-    holds (the unit's own backward holds as much); it reshards it when the forward computes a larger loss after it
-    (a cross-entropy's log-probabilities: the backward starts with the loss's gradient, where the step peaks, and
-    holding the head there costs its bytes at the peak), at world 1 too. A model returning its logits has its loss
-    computed by the caller, priced as the memory model prices it (a cross-entropy: two buffers the logits' size):
-    8 rows of 37 logits hold as much as the 37 x 16 head (kept), 64 rows outgrow it (resharded). The plan's notes
-    say which and why. Plans only (stages 1-3 on a functional trace)."""
+@pytest.mark.parametrize("loss, world, rows", [("cross_entropy", 2, 8), ("square", 2, 8), ("logits", 2, 8),
+                                               ("logits", 2, 64), ("logits", 1, 64)])
+def test_zero3_reshards_the_last_unit_only_where_the_step_model_predicts_a_lower_peak(loss, world, rows):
+    """ZeRO-3's last unit reshards only where the step model predicts a lower step peak for resharding it than for
+    keeping it gathered into the backward; a tie keeps it (a gather saved). A model returning its logits has its
+    loss computed by the caller (a cross-entropy, as the memory model prices it: two buffers the logits' size), a
+    point before the backward where a kept head adds its bytes: 64 rows of 37 logits there peak above the head's
+    own backward at 2 ranks (resharded), 8 rows do not (kept). At world 1 a gather is the shards themselves
+    (views, no copy: no gather op in the trace), so both choices hold the same bytes and the head stays, logits or
+    not. A loss inside the model (cross-entropy, a mean of squares) the step model does not yet price apart from
+    the head's backward: kept. The plan's note says which, with both predictions. Plans only (stages 1-3 on a
+    functional trace)."""
     from fsdp_pass.functional import functional_trace, shard_functional_trace
+    from fsdp_pass.plan.last_unit import last_unit
+    from fsdp_pass.plan.price_plan import candidate_of
+    from fsdp_pass.predicates import is_all_gather, is_pack_shards
 
     torch.manual_seed(0)
     model = _HeadLast(loss)
     prologue, trace = functional_trace(model, torch.randn(rows, 16), torch.randint(0, 37, (rows,)))
     with fake_process_group(world) as group:
-        _, plan = shard_functional_trace(prologue, trace, group, "zero3", units="blocks", model=model)
+        gathered, plan = shard_functional_trace(prologue, trace, group, "zero3", units="blocks", model=model)
     *layers, head = plan.units
     assert [u.name for u in layers] == ["layers.0", "layers.1"] and all(u.reshard_after_forward for u in layers)
-    head_bytes, logits_bytes = 37 * 16 * 4, rows * 37 * 4
-    caller_loss = loss == "logits" and 2 * logits_bytes > head_bytes
-    assert head.name == "head" and head.reshard_after_forward is (loss == "cross_entropy" or caller_loss)
+    decided = last_unit(plan.summary, candidate_of(plan.summary, plan, plan.options))
+    assert head.name == "head" and head.reshard_after_forward is decided.reshards
+    assert decided.reshards is (loss == "logits" and rows == 64 and world == 2)
+    if decided.reshards:
+        assert decided.resharded_peak < decided.kept_peak and "caller's loss" in decided.kept_at
+    elif world == 1:  # no gather to keep or free
+        assert decided.kept_peak == decided.resharded_peak
+        assert not any(is_pack_shards(b) or is_all_gather(b) for b in gathered.bound_symbols)
     (note,) = [n for n in plan.notes if n.startswith("unit 'head'")]
-    if loss == "cross_entropy":
-        assert "reshards after forward" in note and "(cross_entropy, " in note and "view" not in note, note
-        assert f"outgrows the unit ({human_bytes(head_bytes)})" in note and "caller" not in note, note
-    elif loss == "square":
-        assert f"is no larger than the unit ({human_bytes(head_bytes)})" in note and "view" not in note, note
-        assert "caller" not in note, note
-    else:  # nothing computes after the head in the trace: the caller's loss decides
-        assert "what computes after" not in note, note
-        assert f"the loss the caller computes on the returned outputs (taken to be a cross-entropy" in note, note
-        assert f"their gradient, {human_bytes(2 * logits_bytes)})" in note, note
-        verdict = "reshards after forward" if caller_loss else "stays gathered after forward"
-        assert verdict in note, note
+    verdict = "reshards after forward" if decided.reshards else "stays gathered after forward"
+    assert verdict in note and "the step model predicts" in note and human_bytes(decided.kept_peak) in note, note

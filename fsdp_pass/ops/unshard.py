@@ -34,6 +34,7 @@ saving the gathered parameters.
 from __future__ import annotations
 
 import thunder.torch as ltorch
+from thunder.core import prims
 from thunder.core import dtypes
 from thunder.core.symbol import Symbol
 from thunder.core.transforms import get_grad, put_grad, register_grad
@@ -53,9 +54,21 @@ def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_dev
         shapes = tuple(tuple(s) for s in full_shapes)
         return gather_quantized(shards, group, unit_name, shapes, param_dtype, compute_device, gather_dtype, gather_block)
     cast = param_dtype if param_dtype is not None and param_dtype != shards[0].dtype else None
+    if gathers_nothing(group.size(), cast is not None, compute_device is not None):
+        return tuple(prims.reshape(s, tuple(shape)) for s, shape in zip(shards, full_shapes))
     flat = pack_shards(shards, unit_name, cast, compute_device, group)
     gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
     return unpack_gathered(gathered, unit_name, tuple(tuple(s) for s in full_shapes), group.size())
+
+
+def gathers_nothing(world_size: int, cast: bool, moved: bool) -> bool:
+    """Whether a unit's gather is its shards themselves: over a group of one rank, where a shard is the whole
+    parameter (no padding rows), not cast (mixed precision) nor copied to another device (offload) nor quantized.
+    The unit's parameters are then views of its shards (a reshape: a 0-d parameter's shard has one row), with no
+    packing, collective or copy-out, so a unit kept gathered for the backward holds no bytes more than one
+    resharded, and the backward's gather of a resharded unit is those views again. The memory model
+    (:mod:`fsdp_pass.plan.candidate_costs`) counts by this rule."""
+    return world_size == 1 and not (cast or moved)
 
 
 def unshard_unit_meta(

@@ -118,15 +118,14 @@ def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDP
                      model.groups.replicas, fused_attention(executors), fuses_elementwise(executors))
 
 
-def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions, after_bytes: int = 0):
+def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):
     """The options the auto plan of the step ``summary`` describes makes of ``options`` (``options.auto`` set),
-    and the plan; ``after_bytes``: as :func:`~fsdp_pass.plan.auto_plan.plan_step` takes it."""
+    and the plan."""
     settings = options.auto
     default_cost, default_budget = device_defaults(model.device)
     offloaded = options.offload_to is not None
     budget = settings.memory_budget if settings.memory_budget is not None else default_budget
-    plan: AutoPlan = plan_step(summary, settings.cost or default_cost, budget, offload=True if offloaded else None,
-                               after_bytes=after_bytes)
+    plan: AutoPlan = plan_step(summary, settings.cost or default_cost, budget, offload=True if offloaded else None)
     if plan.candidate.offload and not offloaded:
         fail(
             f"FSDP('auto', memory_budget={human_bytes(budget)}) fits only with offload: the shards, their gradients "

@@ -48,7 +48,8 @@ from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.per_unit_decisions import PREFETCH_DEPTHS, PerUnitDecisions
 from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, fits, greedy_units, zero3_reshards
+from fsdp_pass.plan.last_unit import zero3_reshards
+from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, fits, greedy_units
 from fsdp_pass.report.text import human_bytes
 
 
@@ -79,14 +80,12 @@ def plan_step(
     offload: bool | None = None,
     prefetch_depths=PREFETCH_DEPTHS,
     checkpointing: bool = True,
-    after_bytes: int = 0,
 ) -> AutoPlan:
     """The fastest predicted plan whose predicted peak is within ``budget`` bytes (module docstring).
     ``offload``: None lets the planner turn it on when nothing fits without; True or False decides it.
     ``checkpointing``: whether units may checkpoint their activations when nothing fits without.
-    ``after_bytes``: what the forward computes after its last parameter read, and the caller's loss
-    (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`): the hand-written ZeRO-3 plan it is compared
-    with keeps its last unit as ``plan_units`` would (:func:`~fsdp_pass.plan.unit_search.zero3_reshards`)."""
+    The hand-written ZeRO-3 plan it is compared with keeps its last unit as ``plan_units`` would
+    (:func:`~fsdp_pass.plan.last_unit.zero3_reshards`)."""
     check(len(summary.pieces) > 0, "The step reads no parameters: there is nothing to plan.",
           "Plan a model whose forward reads its parameters.")
     check(budget is None or budget > 0, f"memory_budget={budget!r} is not a positive number of bytes.",
@@ -136,7 +135,7 @@ def plan_step(
     elif checkpointing and budget is not None:
         reasons.append("no unit checkpoints its activations: the plan fits without")
     return AutoPlan(summary, best.candidate, best.names, best.prediction, budget, cost, tuple(reasons),
-                    _compared(summary, cost, best.candidate.offload, after_bytes))
+                    _compared(summary, cost, best.candidate.offload))
 
 
 def _no_planfits(summary: StepSummary, cost: CostInputs, budget: int, offload: bool, checkpointing: bool):
@@ -151,11 +150,10 @@ def _no_planfits(summary: StepSummary, cost: CostInputs, budget: int, offload: b
     )
 
 
-def _compared(summary: StepSummary, cost: CostInputs, offload: bool,
-              after_bytes: int = 0) -> tuple[tuple[str, Prediction], ...]:
+def _compared(summary: StepSummary, cost: CostInputs, offload: bool) -> tuple[tuple[str, Prediction], ...]:
     starts = block_starts(summary)
-    zero3 = Candidate(starts, zero3_reshards(summary, starts, after_bytes), 1, offload)
     zero2 = Candidate(starts, (False,) * len(starts), 1, offload)
+    zero3 = replace(zero2, reshard=zero3_reshards(summary, zero2))
     return (("blocks, ZeRO-3, prefetch 1", predict(summary, zero3, cost)),
             ("blocks, ZeRO-2, prefetch 1", predict(summary, zero2, cost)))
 

@@ -120,6 +120,11 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
         shard = sum(p.shard_bytes for p in ps)
         ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)
+        # a gather that is the shards themselves (one rank, nothing cast or moved): views, no bytes, one op each
+        views = summary.gathers_views and not candidate.offload
+        gather_ops_s = (cost.compute_seconds(0, sum(len(p.params) for p in ps), 0) if views else
+                        cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)))
+        gathered = 0 if views else gathered
         # at every world size, one rank included: the traces gather and reduce-scatter there too (each a copy,
         # the link costing nothing), and pack and unpack around them
         reduces = 1 + int(summary.replicas > 1)  # a reduce-scatter, HSDP's all-reduce
@@ -133,7 +138,7 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 cost.link.seconds(gathered, summary.ranks, ALL_GATHER),
                 cost.link.seconds(grads, summary.ranks, REDUCE_SCATTER) + _across_replicas_s(summary, grads, cost),
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
-                cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)),
+                gather_ops_s,
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)),
                 _working(ps, summary.fused),
                 every - kept,

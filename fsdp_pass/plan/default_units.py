@@ -39,7 +39,8 @@ from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
-from fsdp_pass.plan.unit_search import NO_MOVE, Priced, greedy_units, unit_names, zero3_reshards
+from fsdp_pass.plan.last_unit import zero3_reshards
+from fsdp_pass.plan.unit_search import NO_MOVE, Priced, greedy_units, unit_names
 from fsdp_pass.report.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
@@ -94,9 +95,6 @@ class UnitsChoice:
     reasons: tuple[str, ...]
     prediction: Prediction | None = None  # None: not priced, one unit per block
     blocks: Prediction | None = None  # one unit per block, priced the same way
-    # what the forward computes after its last parameter read, and the caller's loss: whether ZeRO-3 keeps each
-    # candidate's last unit
-    after_bytes: int = 0
 
     @property
     def kept_blocks(self) -> bool:
@@ -135,36 +133,30 @@ def _why_not_priced(options) -> str | None:
     return None
 
 
-def candidate(starts: tuple[int, ...], options, summary: StepSummary, after_bytes: int = 0) -> Candidate:
+def candidate(starts: tuple[int, ...], options, summary: StepSummary) -> Candidate:
     """``starts`` with the user's resharding, prefetch depth, checkpointing and offload (as plan_units applies
-    them: ZeRO-3 reshards every unit but the last the forward gathers, that one too where what the forward
-    computes after it, ``after_bytes``, outgrows it: :func:`~fsdp_pass.plan.unit_search.zero3_reshards`;
-    ZeRO-2 none)."""
+    them: ZeRO-3 reshards every unit but the last the forward gathers, that one too where the step model predicts
+    a lower step peak for it: :func:`~fsdp_pass.plan.last_unit.zero3_reshards`; ZeRO-2 none)."""
     from fsdp_pass.plan.options import constant_checkpoint_level
 
     k, override = len(starts), options.reshard_after_forward
-    if override is None:
-        zero3 = options.strategy is Strategy.ZERO3
-        reshard = zero3_reshards(summary, starts, after_bytes) if zero3 else (False,) * k
-    else:
-        reshard = (override,) * k
     level = constant_checkpoint_level(options.checkpoint_activations)
-    return Candidate(starts, reshard, options.schedule.prefetch, options.offload_to is not None, (),
-                     (level,) * k if level != "none" else ())
+    out = Candidate(starts, (bool(override),) * k, options.schedule.prefetch, options.offload_to is not None, (),
+                    (level,) * k if level != "none" else ())
+    if override is None and options.strategy is Strategy.ZERO3:
+        out = replace(out, reshard=zero3_reshards(summary, out))
+    return out
 
 
-def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None,
-                 after_bytes: int = 0) -> UnitsChoice:
+def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None) -> UnitsChoice:
     """The units with the fastest predicted step (fitting ``budget`` first) for the user's other ``options``
-    (module docstring, items 2-3); ``after_bytes``: what the forward computes after its last parameter read, and the
-    caller's loss (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`), which decides whether ZeRO-3 keeps the
-    last unit."""
+    (module docstring, items 2-3)."""
     blocked = _why_not_priced(options) if summary.pieces else "the step reads no parameters"
     if blocked:
-        return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",), after_bytes=after_bytes)
+        return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",))
 
     def price(starts: tuple[int, ...]) -> Priced:
-        priced = candidate(starts, options, summary, after_bytes)
+        priced = candidate(starts, options, summary)
         return Priced(priced, predict(summary, priced, cost), tuple(unit_names(summary, starts)))
 
     search = greedy_units(summary, price, budget)
@@ -179,16 +171,14 @@ def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | 
     chosen = search.chosen
     spans = chosen.candidate.spans(len(summary.pieces))
     groups = tuple((nm, tuple(p for i in s for p in summary.pieces[i].params)) for nm, s in zip(chosen.names, spans))
-    return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction,
-                       after_bytes)
+    return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction)
 
 
-def options_with_chosen_units(summary: StepSummary, model, options, after_bytes: int = 0):
-    """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``;
-    ``after_bytes``: as :func:`choose_units`."""
+def options_with_chosen_units(summary: StepSummary, model, options):
+    """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``."""
     policy = options.unit_policy
     if not policy.is_settled:  # not sharded by the transform (the functional path): this rank's device alone
         policy = policy.settled(getattr(model, "device", None), None)
-    choice = choose_units(summary, options, policy.cost, policy.budget, after_bytes)
+    choice = choose_units(summary, options, policy.cost, policy.budget)
     chosen = Blocks() if choice.prediction is None else ChosenUnits(choice)
     return replace(options, unit_policy=chosen), choice

@@ -3,14 +3,13 @@
 1. Find where the trace first and last reads each parameter.
 2. Ask the unit policy (:mod:`fsdp_pass.plan.unit_policies`) for groups of parameter names.
 3. Split a group that mixes dtypes into one unit per dtype (one flat buffer needs one dtype).
-4. Decide per unit whether it reshards after forward: ZeRO-2 never; ZeRO-3 every unit except the
-   last one the forward gathers, when nothing computes after its last use (the backward then starts with it,
-   so freeing it would only mean gathering it again at once). When the forward computes after it (a loss
-   computed inside the model: log-softmax, nll, ...), the backward starts with that computation's gradient,
-   where the step peaks, and holding the last unit there costs its bytes at the peak: it reshards like the
-   others and the backward gathers it again before its first use (:func:`compute_after`). A loss the caller
-   computes on the returned outputs (logits) counts the same way, priced as the memory model prices it (taken to
-   be a cross-entropy: :func:`caller_loss_bytes`); ``reshard_after_forward`` overrides this.
+4. Decide per unit whether it reshards after forward: ZeRO-2 never; ZeRO-3 every unit, and the last one the
+   forward gathers too only where the step model predicts a lower step peak for resharding it than for keeping
+   it gathered into the backward (:mod:`~fsdp_pass.plan.last_unit`; a tie keeps it: a gather saved), priced on the
+   step's summary (``summary``). Where the model cannot price the units (no summary, a unit that splits a piece, a
+   schedule it does not follow) a byte rule decides (:func:`keeps_last_unit`): the last unit reshards where what
+   the forward computes after its last use (:func:`compute_after`) outgrows it. ``reshard_after_forward``
+   overrides both.
 5. Order units by first use; that is the order of their all-gathers.
 6. Mark the units whose activations are checkpointed, and at which level (``checkpoint_activations``, asked per
    unit: :mod:`~fsdp_pass.plan.checkpointing`).
@@ -27,13 +26,13 @@ from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
-from fsdp_pass.plan.step_summary import returned_outputs
+from fsdp_pass.plan.candidate_costs import Candidate
+from fsdp_pass.plan.last_unit import last_unit, starts_of
+from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.plan.mixed_precision import thunder_dtype
-from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like
-from fsdp_pass.report.memory import caller_loss
+from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_view_like
 from fsdp_pass.report.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
@@ -89,7 +88,8 @@ def compute_after(computation, index: int) -> tuple[list[str], int]:
 
 
 def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
-    """ZeRO-3's rule for the last unit the forward gathers (``reshard_after_forward=None``): keep it gathered into
+    """ZeRO-3's rule for the last unit the forward gathers where the step model cannot price the units
+    (``reshard_after_forward=None``; else :mod:`~fsdp_pass.plan.last_unit` decides): keep it gathered into
     the backward unless what the forward computes after its last use (``after_bytes``, :func:`compute_after`: a
     loss computed inside the model; and a loss the caller computes on the outputs, :func:`caller_loss_bytes`)
     outgrows the unit (``unit_bytes``, gathered). The backward starts with those
@@ -98,35 +98,6 @@ def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
     they are not (nothing after it; a small loss such as a mean squared error), the unit's own backward holds as
     much (the unit and its gradients), so keeping it raises no peak and saves a gather."""
     return after_bytes <= unit_bytes
-
-
-def differentiable_outputs(computation, param_of_arg: dict[str, str]) -> list:
-    """The floating-point tensors the forward returns (under ``"output"``) that a parameter reaches (or an input
-    that requires a gradient): those whose gradients the backward receives."""
-    reached = set(param_of_arg) | {a.name for a in computation.args if getattr(a, "requires_grad", False)}
-    for b in computation.bound_symbols:
-        if not is_return(b) and any(p.name in reached for p in b.flat_proxy_args):
-            reached.update(o.name for o in b.flat_proxy_outs if is_float_tensor(o))
-    return [o for o in returned_outputs(computation) if o.name in reached]
-
-
-def caller_loss_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
-    """What a loss the caller computes on the forward's outputs holds at the backward's start, as the memory model
-    prices it (its rule 6, :func:`fsdp_pass.report.memory.caller_loss`: a cross-entropy's log-probabilities and
-    their gradient, two buffers as large as the logits, in the mixed ``precision``'s ``output_dtype``); 0 where the
-    forward returns its own loss (a 0-d output with a gradient) or nothing with a gradient."""
-    dtype = thunder_dtype(getattr(precision, "output_dtype", None))
-    return sum(n for _, n in caller_loss(differentiable_outputs(computation, param_of_arg), dtype))
-
-
-def trailing_compute_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
-    """The bytes :func:`compute_after` counts after the forward's last parameter read, and the caller's loss
-    (:func:`caller_loss_bytes`): what the step model prices the default units' last unit against
-    (:func:`keeps_last_unit`). :func:`plan_units` asks it of the last unit's last read; the two differ only where a
-    parameter of another unit is read after it (tied weights)."""
-    uses = first_and_last_use(computation, set(param_of_arg))
-    after = compute_after(computation, max(last for _, last in uses.values()))[1] if uses else 0
-    return after + caller_loss_bytes(computation, param_of_arg, precision)
 
 
 def _what_follows(after: list[str], after_bytes: int, loss_bytes: int) -> str:
@@ -141,31 +112,63 @@ def _what_follows(after: list[str], after_bytes: int, loss_bytes: int) -> str:
     return " and ".join(parts) + total
 
 
+def _priced_template(units: list[Unit], options: FSDPOptions, levels: list[str], summary):
+    """``units`` as the step model's candidate over ``summary``'s pieces (its resharding left to decide), or None
+    where the model cannot price them: no summary, a unit that is not a run of whole pieces, a schedule that is not
+    prefetch depths with the kept units first."""
+    s = options.schedule
+    if summary is None or s is None or s.max_unused_bytes is not None or not s.kept_units_first:
+        return None
+    starts = starts_of(summary, [u.params for u in units])
+    if starts is None:
+        return None
+    own = dict(s.prefetch_by_unit)
+    depths = tuple(own.get(u.name, s.prefetch) for u in units)
+    return Candidate(starts, (True,) * len(units), s.prefetch, options.offload_to is not None,
+                     depths if any(d != s.prefetch for d in depths) else (),
+                     tuple(levels) if any(lv != "none" for lv in levels) else ())
+
+
+def _last_unit_by_bytes(units, sharding, options, computation, loss_bytes, notes) -> bool:
+    """The rule where the step model cannot price the units (:func:`keeps_last_unit`): whether the last unit
+    reshards, with its note."""
+    last = units[-1]
+    after, after_bytes = compute_after(computation, last.last_use)
+    gathered_dtype = getattr(options.mixed_precision, "param_dtype", None)  # as the step summary counts it
+    unit_bytes = sum(sharding.param(p).nbytes(gathered_dtype) for p in last.params)
+    keep_last = keeps_last_unit(after_bytes + loss_bytes, unit_bytes)
+    follows = _what_follows(after, after_bytes, loss_bytes)
+    if keep_last and not follows:
+        notes.append(f"unit {last.name!r} stays gathered after forward: nothing computes after its last use, "
+                     "so the backward needs it first")
+    elif keep_last:
+        notes.append(f"unit {last.name!r} stays gathered after forward: {follows} is no larger than the unit "
+                     f"({human_bytes(unit_bytes)}), so the backward's peak is not above it")
+    else:
+        notes.append(
+            f"unit {last.name!r} reshards after forward although the forward gathers it last: {follows} "
+            f"outgrows the unit ({human_bytes(unit_bytes)}); the backward starts with their gradients, "
+            "without the unit, and gathers it again before its first use"
+        )
+    return not keep_last
+
+
 def _reshard(units: list[Unit], sharding: ShardingPlan, options: FSDPOptions, notes: list[str], computation,
-             loss_bytes: int) -> list[Unit]:
+             summary, levels: list[str]) -> list[Unit]:
     override = options.reshard_after_forward
-    strategy = sharding.strategy
     if override is None:
-        zero3 = strategy is Strategy.ZERO3 and len(units) > 0
-        last = units[-1] if zero3 else None
-        after, after_bytes = compute_after(computation, last.last_use) if zero3 else ([], 0)
-        gathered_dtype = getattr(options.mixed_precision, "param_dtype", None)  # as the step summary counts it
-        unit_bytes = sum(sharding.param(p).nbytes(gathered_dtype) for p in last.params) if zero3 else 0
-        keep_last = zero3 and keeps_last_unit(after_bytes + loss_bytes, unit_bytes)
-        flags = [zero3 and not (keep_last and i == len(units) - 1) for i in range(len(units))]
-        follows = _what_follows(after, after_bytes, loss_bytes)
-        if keep_last and not follows:
-            notes.append(f"unit {last.name!r} stays gathered after forward: nothing computes after its last use, "
-                         "so the backward needs it first")
-        elif keep_last:
-            notes.append(f"unit {last.name!r} stays gathered after forward: {follows} is no larger than the unit "
-                         f"({human_bytes(unit_bytes)}), so the backward's peak is not above it")
+        zero3 = sharding.strategy is Strategy.ZERO3 and len(units) > 0
+        template = _priced_template(units, options, levels, summary) if zero3 else None
+        if template is not None:
+            decided = last_unit(summary, template, [u.name for u in units])
+            last_reshards = decided.reshards
+            verdict = ("reshards after forward although the forward gathers it last" if last_reshards
+                       else "stays gathered after forward")
+            notes.append(f"unit {units[-1].name!r} {verdict}: {decided.why()}")
         elif zero3:
-            notes.append(
-                f"unit {last.name!r} reshards after forward although the forward gathers it last: {follows} "
-                f"outgrows the unit ({human_bytes(unit_bytes)}); the backward starts with their gradients, "
-                "without the unit, and gathers it again before its first use"
-            )
+            loss_bytes = summary.loss_bytes if summary is not None else 0
+            last_reshards = _last_unit_by_bytes(units, sharding, options, computation, loss_bytes, notes)
+        flags = [zero3 and (i < len(units) - 1 or last_reshards) for i in range(len(units))]
     elif isinstance(override, bool):
         flags = [override] * len(units)
     else:
@@ -194,11 +197,15 @@ def plan_units(
     sharding: ShardingPlan,
     options: FSDPOptions,
     tree: ModuleTree | None = None,
+    summary: StepSummary | None = None,
 ) -> UnitPlan:
     """Group the parameters the forward trace reads into units, in order of first use.
 
     ``param_of_arg``: the trace's parameter arguments (:func:`~fsdp_pass.plan.trace_arguments.parameter_names_of_args`);
-    ``tree``: the module tree the policy reads (without it every parameter hangs off the root).
+    ``tree``: the module tree the policy reads (without it every parameter hangs off the root); ``summary``: the
+    step's summary (:mod:`~fsdp_pass.plan.step_summary`), from which the step model decides ZeRO-3's last unit
+    (without it, or where the model cannot price the units, the byte rule :func:`keeps_last_unit` does, with the
+    caller's loss taken as none).
     """
     policy = options.unit_policy
     inp, uses = policy_input(computation, param_of_arg, sharding, tree)
@@ -218,9 +225,9 @@ def plan_units(
         for name, params in _split_by_dtype(groups, sharding, notes)
     ]
     units.sort(key=lambda u: u.first_use)
-    loss_bytes = caller_loss_bytes(computation, param_of_arg, options.mixed_precision)
-    units = _reshard(units, sharding, options, notes, computation, loss_bytes)
-    units = [replace(u, checkpoint=checkpoint_level(options.checkpoint_activations(u))) for u in units]
+    levels = [checkpoint_level(options.checkpoint_activations(u)) for u in units]
+    units = _reshard(units, sharding, options, notes, computation, summary, levels)
+    units = [replace(u, checkpoint=level) for u, level in zip(units, levels)]
     return UnitPlan(
         sharding=sharding,
         units=tuple(units),

@@ -44,8 +44,12 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
 6. ``output_bytes`` (of the whole step): the forward's floating-point results, whose gradients the backward
    receives and frees once the last unit's ops have read them (the logits, when the loss is computed outside the
    model; a scalar when it is inside). ``loss_bytes``: what a loss the caller computes on those outputs holds at
-   the backward's start (:func:`~fsdp_pass.plan.plan_units.caller_loss_bytes`, the memory report's rule 6; 0 where
+   the backward's start (:func:`caller_loss_bytes`, the memory report's rule 6; 0 where
    the forward returns its own loss).
+
+8. ``gathers_views`` (of the whole step): whether a unit's gather is its shards themselves, views and no copy
+   (:func:`~fsdp_pass.ops.unshard.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
+   no quantized gather; offload, a candidate's choice, copies them all the same).
 
 7. ``replicas`` (of the whole step): under HSDP, how many copies of the shard group all-reduce each reduced
    gradient shard (``ranks`` is the shard group's size).
@@ -61,12 +65,14 @@ from dataclasses import dataclass
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from fsdp_pass.plan.mixed_precision import MixedPrecision
+from fsdp_pass.ops.unshard import gathers_nothing
+from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.plan.op_tally import ops_by_piece, tensor_bytes
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.predicates import is_float_tensor, is_return
+from fsdp_pass.report.memory import caller_loss
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,7 @@ class StepSummary:
     replicas: int = 1  # HSDP: copies of the shard group; each reduced gradient shard is all-reduced across them
     fused: bool = False  # a fusion executor runs the elementwise ops (the CUDA lowering): step_model's working set
     loss_bytes: int = 0  # what the caller's loss on the outputs holds at the backward's start (item 6)
+    gathers_views: bool = False  # a unit's gather is its shards themselves (item 8): one rank, nothing cast
 
     @property
     def shard_bytes(self) -> int:
@@ -208,10 +215,10 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
-    from fsdp_pass.plan.plan_units import caller_loss_bytes  # plan_units reads returned_outputs from here
-
+    cast = [p for _, _, ps in found for p in ps if precision.param_dtype not in (None, sharding.param(p).dtype)]
+    views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
     return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
-                       caller_loss_bytes(computation, param_of_arg, precision))
+                       caller_loss_bytes(computation, param_of_arg, precision), views)
 
 
 def returned_outputs(computation) -> list[TensorProxy]:
@@ -222,3 +229,22 @@ def returned_outputs(computation) -> list[TensorProxy]:
         value = value["output"]
     flat, _ = tree_flatten(value)
     return [t for t in flat if is_float_tensor(t)]
+
+
+def differentiable_outputs(computation, param_of_arg: dict[str, str]) -> list:
+    """The floating-point tensors the forward returns (under ``"output"``) that a parameter reaches (or an input
+    that requires a gradient): those whose gradients the backward receives."""
+    reached = set(param_of_arg) | {a.name for a in computation.args if getattr(a, "requires_grad", False)}
+    for b in computation.bound_symbols:
+        if not is_return(b) and any(p.name in reached for p in b.flat_proxy_args):
+            reached.update(o.name for o in b.flat_proxy_outs if is_float_tensor(o))
+    return [o for o in returned_outputs(computation) if o.name in reached]
+
+
+def caller_loss_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
+    """What a loss the caller computes on the forward's outputs holds at the backward's start, as the memory model
+    prices it (its rule 6, :func:`fsdp_pass.report.memory.caller_loss`: a cross-entropy's log-probabilities and
+    their gradient, two buffers as large as the logits, in the mixed ``precision``'s ``output_dtype``); 0 where the
+    forward returns its own loss (a 0-d output with a gradient) or nothing with a gradient."""
+    dtype = thunder_dtype(getattr(precision, "output_dtype", None))
+    return sum(n for _, n in caller_loss(differentiable_outputs(computation, param_of_arg), dtype))

@@ -73,19 +73,6 @@ def unit_names(summary: StepSummary, starts: tuple[int, ...]) -> list[str]:
     return names
 
 
-def zero3_reshards(summary: StepSummary, starts: tuple[int, ...], after_bytes: int) -> tuple[bool, ...]:
-    """ZeRO-3's resharding of the units beginning at ``starts``, as ``plan_units`` decides it: every unit but the
-    last the forward gathers, that one too where what the forward computes after it, ``after_bytes``
-    (:func:`~fsdp_pass.plan.plan_units.trailing_compute_bytes`), outgrows it
-    (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`)."""
-    from fsdp_pass.plan.plan_units import keeps_last_unit  # plan_units -> options -> default_units -> here
-
-    if not starts:
-        return ()
-    keep_last = keeps_last_unit(after_bytes, sum(p.gathered_bytes for p in summary.pieces[starts[-1]:]))
-    return (True,) * (len(starts) - 1) + (not keep_last,)
-
-
 def block_starts(summary: StepSummary) -> tuple[int, ...]:
     """One unit per block: the index of each block's first piece."""
     return tuple(i for i, p in enumerate(summary.pieces) if i == 0 or p.block != summary.pieces[i - 1].block)

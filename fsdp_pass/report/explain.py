@@ -261,9 +261,19 @@ class Explanation:
         if self.strategy is Strategy.ZERO3:
             lines.append(
                 f"  ZeRO-3 book   {human_bytes(int(self.textbook_bytes_per_rank)):>10}  (every unit gathered again "
-                "in the backward; this pass does not re-gather the last unit, nor a unit the backward never reads)"
+                f"in the backward; {self._not_regathered()})"
             )
         return lines
+
+    def _not_regathered(self) -> str:
+        """Which units this plan does not gather again in the backward, as its resharding decided."""
+        kept = [u.name for u in self.plan.units if not u.reshard_after_forward]
+        if len(self.plan.units) and kept == [self.plan.units[-1].name]:
+            return "this pass does not re-gather the last unit, nor a unit the backward never reads"
+        if not kept:
+            return "this pass re-gathers the last unit too (see its note), not a unit the backward never reads"
+        return (f"this pass does not re-gather the {len(kept)} unit(s) kept after forward, nor a unit the backward "
+                "never reads")
 
     def _sent_dtypes_note(self) -> str:
         """Under mixed precision, the bytes the floor counts: the parameters as gathered and as reduced."""

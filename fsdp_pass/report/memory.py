@@ -462,6 +462,12 @@ def cotangents(backward) -> list[TensorProxy]:
     return [p for p in flat if isinstance(p, TensorProxy)]
 
 
+def has_own_loss(outputs) -> bool:
+    """Whether one of the forward's outputs with a gradient (or one of those gradients) is 0-d: a loss computed
+    inside the model, which the caller's loss (rule 6) is not added to."""
+    return any(len(o.shape) == 0 for o in outputs)
+
+
 def caller_loss(outputs, dtype=None) -> tuple[tuple[str, int], ...]:
     """Rule 6: the buffers ``(name, bytes)`` that a loss computed outside the model holds at the backward's start,
     given the forward's outputs with gradients (or those gradients: the same shapes and dtypes): a cross-entropy
@@ -469,8 +475,8 @@ def caller_loss(outputs, dtype=None) -> tuple[tuple[str, int], ...]:
     output (in ``dtype`` where given: the mixed precision's ``output_dtype``, which the outputs are cast to after
     planning). None where one of them is 0-d: that is a loss computed inside the model (a Hugging Face model fed
     labels), traced. The one definition the memory model (:func:`step_memory`) and ZeRO-3's last-unit rule
-    (:func:`fsdp_pass.plan.plan_units.caller_loss_bytes`) price the caller's loss by."""
-    if any(len(o.shape) == 0 for o in outputs):
+    (:func:`fsdp_pass.plan.step_summary.caller_loss_bytes`) price the caller's loss by."""
+    if has_own_loss(outputs):
         return ()
     return tuple(
         (f"{o.name}:{what}", int(o.numel) * (dtype or o.dtype).bytes) for o in outputs
@@ -482,7 +488,6 @@ def step_memory(forward, backward=None) -> StepMemory:
     fwd = trace_memory(forward)
     saved = {buf.name: buf for buf in fwd.handed_on.values()}
     output_grads = cotangents(backward) if backward is not None else []
-    returns_a_loss = any(len(g.shape) == 0 for g in output_grads)
     loss_outside = caller_loss(output_grads)  # rule 6
     bwd = trace_memory(backward, fwd.handed_on, output_grads, loss_outside) if backward is not None else None
     return StepMemory(
@@ -490,5 +495,5 @@ def step_memory(forward, backward=None) -> StepMemory:
         bwd,
         sum(b.nbytes for b in saved.values()),
         sum(b.nbytes for b in saved.values() if b.kind == GATHERED),
-        returns_a_loss,
+        has_own_loss(output_grads),
     )
