@@ -136,7 +136,8 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
         every = sum(p.activation_bytes for p in ps)
         kept, recompute_s = kept_and_recompute(summary, span, candidate.level_of(u), cost)
         # the gradient its backward receives (unfused: under fusion the largest result's gradient stands for it)
-        received = 0 if summary.fused else max([0, *(b for p in ps for reader, b in p.passed_on if reader >= span.stop)])
+        passed_on = [b for p in ps for reader, b in p.passed_on if reader >= span.stop]
+        received = 0 if summary.fused else max([0, *passed_on])
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
         shard = sum(p.shard_bytes for p in ps)
         ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)

@@ -208,7 +208,8 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
             if not fuses and first == n:
                 t.tail_acts += tensor_bytes((proxy[name],))
             elif not fuses and first > made_in[name]:
-                t.freed_in[made_in[name]][first] = t.freed_in[made_in[name]].get(first, 0) + tensor_bytes((proxy[name],))
+                freed = t.freed_in[made_in[name]]
+                freed[first] = freed.get(first, 0) + tensor_bytes((proxy[name],))
     for name in selective:
         if name in made_in:
             t.matmul_acts[made_in[name]] += tensor_bytes((proxy[name],))

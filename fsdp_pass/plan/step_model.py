@@ -297,9 +297,9 @@ def peak_of(
             point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
         # its backward starts with its parameters gathered, its activations kept (less those a later unit's backward
         # read last and freed), its working set: the gradient it receives and the one an op makes (the last unit's:
-        # the forward's outputs' gradients, which its ops read and free, beside it), and ends with its gradients packed for the
-        # reduce-scatter, its activations freed (the ops that make the gradients read them for the last time) and
-        # the gradient it hands on to the unit before it
+        # the forward's outputs' gradients, which its ops read and free, beside it), and ends with its gradients
+        # packed for the reduce-scatter, its activations freed (the ops that make the gradients read them for the last
+        # time) and the gradient it hands on to the unit before it
         start = gathered + acts + units[j].recomputed + units[j].working + (output_grad if j == k - 1 else 0)
         acts -= units[j].activations - sum(b for _, b in units[j].freed_later) + freed_at.get(j, 0)
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
