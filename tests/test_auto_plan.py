@@ -445,10 +445,10 @@ def test_a_units_backward_peaks_at_one_of_its_ends_plus_its_working_set():
     # the end: u1's gradients and their flat buffer, u1's parameters and activations freed
     assert peak_of([unit(10, 10, 10), unit(50, 200, 10)], kept, names, 0) == (10 + 10 + 400, "backward of u1")
 
-    # on a model: at 2 ranks the step model's peak is above the traces', by no more than a tenth (at 1 rank the
-    # traces hold a re-gathered unit's buffer beside the parameters cut out of it through its backward: 0.4 % more
-    # than the model there)
-    for world, strategy, low in ((2, "zero3", 1.0), (2, "zero2", 1.0), (1, "zero3", 0.99)):
+    # on a model: the step model's peak within a percent below the traces' and a tenth above (ZeRO-3 at 1 and 2
+    # ranks 0.08 % below: the rows of the norms' rsqrt and the attention's log-sum-exp the model leaves out, since it
+    # follows the traces' points, the unpack's gathered buffer beside its copies included; ZeRO-2 2.9 % above)
+    for world, strategy, low in ((2, "zero3", 0.99), (2, "zero2", 0.99), (1, "zero3", 0.99)):
         run = model_dry_run(world, strategy)
         predicted, traced = run.predict_step().peak_bytes, run.explanation.memory.peak
         assert low * traced <= predicted <= 1.1 * traced, (world, strategy, human_bytes(predicted), human_bytes(traced))

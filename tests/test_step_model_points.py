@@ -57,3 +57,85 @@ def test_over_one_rank_no_reduce_scatter_buffer_is_in_flight_beside_the_gradient
     assert peak_of(units, no_prefetch, names, 0) == (50 + 50 + 100 + 10, "backward of u0")
     one_rank = [replace(u, reduced_in_place=True) for u in units]
     assert peak_of(one_rank, no_prefetch, names, 0) == (50 + 100 + 10, "backward of u0")
+
+
+def test_a_loss_the_forward_computes_has_its_backward_before_the_last_units_with_no_gather_issued():
+    """A loss inside the model (a Hugging Face model fed labels) is the ops after the forward's last parameter read:
+    its backward runs first, the outputs' gradient (the logits') beside the gradient one of its ops receives and
+    the one it makes (each as large as its largest result: nll's and log-softmax's), every activation and the kept
+    units, the last one only where kept; the schedule issues no backward gather above it. The last unit's own
+    backward then starts without what the loss kept (its log-probabilities). HF d512 (CPU, world 1): the model said
+    283.9 MiB for both choices at the head's backward (3 x the logits for the loss's working set on top of their
+    gradient, the layer-7 gather prefetched, the log-probabilities still kept); the traces 255.4 kept, 239.8
+    resharded, at the loss's backward."""
+    from dataclasses import replace
+
+    names = ["u0", "u1"]
+    units = [_unit(10, 10, 100), replace(_unit(30, 30, 40), tail_working=2 * 20, tail_activations=20)]
+    head_kept, head_resharded = Candidate((0, 1), (True, False)), Candidate((0, 1), (True, True))
+    at = "the loss's backward, before u1's"
+    # every activation (140), the outputs' gradient (20), two results of the loss (40); u1's 30 where kept, and not
+    # u0's 10, which the prefetch would issue at the top of the backward
+    assert peak_of(units, head_kept, names, 0, output_grad=20) == (140 + 20 + 40 + 30, at)
+    assert peak_of(units, head_resharded, names, 0, output_grad=20) == (140 + 20 + 40, at)
+    # u1's own backward start: gathered (30), u0's gather issued (10), activations less the loss's (120), the
+    # outputs' gradient summed with the loss's (20), its working set (0 here): below the loss's point
+    bigger_head = [units[0], replace(units[1], gathered=60)]
+    assert peak_of(bigger_head, head_resharded, names, 0, output_grad=20) == (60 + 10 + 120 + 20, "backward of u1")
+
+
+def test_a_units_backward_holds_the_gradient_it_receives_and_one_it_makes():
+    """On the unfused lists each op's backward frees the saved activations it read as it makes the next gradients:
+    beside its start a unit's backward holds the gradient it receives (its results' that later units read, one
+    buffer once the next norm's reduction has summed them) and the one an op makes from it (its largest result).
+    The zoo Llama's layer 7 (d 512, CPU, world 2, head resharded): 1 + 2.7 MiB in the traces, where three of the
+    MLP's hidden results (8.1 MiB) were counted."""
+    from fsdp_pass.plan.candidate_costs import unit_costs
+    from fsdp_pass.plan.cost_model import DEFAULTS
+    from fsdp_pass.plan.step_summary import Piece, StepSummary
+
+    def piece(name, largest, passed_on=()):
+        return Piece(name, (name,), name, 10, 10, 5, 1.0, 50, largest_result_bytes=largest, passed_on=passed_on)
+
+    summary = StepSummary((piece("a", 8, ((1, 3), (1, 2))), piece("b", 4)), ranks=2)
+    a, b = unit_costs(summary, Candidate((0, 1), (True, True)), DEFAULTS["cpu-gloo"])
+    assert (a.working, a.received) == (8 + 3, 3)  # one result made, the larger of the two it passed on
+    assert b.received == 0  # the last unit receives the outputs' gradients (step_model's output_grad)
+
+
+def test_activations_a_later_units_backward_reads_last_are_freed_there():
+    """A block's output, which the next norm keeps (and the next norm's reduction, charged to the block: it comes
+    after its last parameter read, so its backward runs before the block is gathered again), is freed by the later
+    unit's backward: the zoo Llama's layer 7 backward start (world 2) held 2 MiB fewer activations in the traces
+    than the model counted."""
+    from dataclasses import replace
+
+    names = ["u0", "u1"]
+    no_prefetch = Candidate((0, 1), (True, True), prefetch=0)
+    u0, u1 = _unit(100, 40, 50), _unit(10, 40, 10)
+    # u0's backward start: u1's reduce-scatter buffer in flight, u0 gathered, its 50 of activations
+    assert peak_of([u0, u1], no_prefetch, names, 0) == (40 + 100 + 50, "backward of u0")
+    # 20 of them are read last by u1's backward, which frees them
+    assert peak_of([replace(u0, freed_later=((1, 20),)), u1], no_prefetch, names, 0) == (40 + 100 + 30,
+                                                                                        "backward of u0")
+
+
+def test_over_one_rank_gathers_are_not_prefetched_and_the_unpack_holds_the_buffer_beside_its_copies():
+    """Over a group of one rank the schedule packs each gather's buffer right before its use (it moves nothing):
+    no gather is issued ahead. Where a unit has several parameters, its unpack copies them out of the gathered buffer,
+    which lives until the unpack ends: twice the unit's gathered bytes for that moment, the next unit's buffer
+    (at world 2 issued right after) not yet issued. The zoo Llama's layers (world 1): the unpack of layer 7 in the
+    backward, 2 x 12.1 MiB; the model counted the layer once and the prefetched layer 6 beside it."""
+    from dataclasses import replace
+
+    names = ["u0", "u1", "u2"]
+    units = [_unit(20, 10, 1, shard=10), _unit(40, 10, 1, shard=10), _unit(10, 10, 1, shard=10)]
+    resharded = Candidate((0, 1, 2), (True, True, True), prefetch=1)
+    # two ranks, u1's backward start: u2's gradient shard and its buffer in flight (10 + 10), u1 gathered (40), u0's
+    # prefetched gather (20), two units' activations
+    assert peak_of(units, resharded, names, 0) == (10 + 10 + 40 + 20 + 2, "backward of u1")
+    one_rank = [replace(u, reduced_in_place=True) for u in units]
+    # one rank: no gather ahead, u2's buffer is its shard
+    assert peak_of(one_rank, resharded, names, 0) == (10 + 40 + 2, "backward of u1")
+    copies = [replace(u, copies_out=True) for u in one_rank]
+    assert peak_of(copies, resharded, names, 0) == (10 + 2 * 40 + 2, "backward of u1")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from fsdp_pass.ops.flat_buffers import unpack_is_view
 from fsdp_pass.plan.checkpointing import FULL, NONE
 from fsdp_pass.plan.cost_model import CostInputs
 from fsdp_pass.plan.step_summary import StepSummary
@@ -23,9 +24,13 @@ from fsdp_pass.plan.step_summary import StepSummary
 EXECUTED_OPS_PER_TRACE_OP = 1.9
 # FSDP's own ops per collective on the compute queue: pack, the collective, its wait, unpack (the final traces)
 OPS_PER_COLLECTIVE = 4
-# the backward's working set, in a unit's largest forward result: the gradient an op receives, the one it makes and
-# a temporary as large (the bench model's loss: the logits' gradient, log-softmax's and nll's; the traces, 2026-11-25)
-WORKING_RESULTS = 3
+# the backward's working set beside the gradient a unit receives, in a unit's largest forward result: the gradient
+# an op makes from the one it received. On the unfused lists each op's backward frees the saved activations it read
+# as it makes the next gradients, so the trace never holds more: the zoo Llama's layer 7 backward (d 512, CPU, world
+# 2) holds its output's gradient (1 MiB) and one MLP-hidden gradient (2.7 MiB) above its start, nothing more (the
+# traces, 2026-11-26). Was 3 with the received gradient in it: the loss's backward (logits', log-softmax's, nll's)
+# before the outputs' gradients and the loss's were counted apart.
+WORKING_RESULTS = 1
 # the same where a fusion executor runs the elementwise ops (the CUDA lowering): the gradient of the largest result,
 # which a fused kernel writes for the matmul after it, the temporaries staying inside the kernel; beside it the
 # parameter gradients the unit's backward has made so far (``_working``). Llama-3-8B's shape, 4 layers, 2 x 8192
@@ -80,6 +85,17 @@ class UnitCost:
     # over a group of one rank the reduce-scatter returns its input: the buffer it holds is the gradient shard
     # (``shard``), and nothing else is in flight until its wait
     reduced_in_place: bool = False
+    # the gradient its backward receives from the later units': the largest of its results they read (the ops after
+    # its last parameter read, a residual add, the next norm's reduction, sum them into one before it is gathered)
+    received: int = 0
+    # (a later unit, bytes): its kept activations whose earliest keeper is that unit, whose backward frees them
+    freed_later: tuple[tuple[int, int], ...] = ()
+    copies_out: bool = False  # its unpack copies the parameters out of the gathered buffer (more than one parameter)
+    # the last unit only: a loss the forward computes after its last parameter read, whose backward runs before the
+    # unit's own: its working set (the gradient an op receives and the one it makes, each as large as the loss's
+    # largest result) and the activations it frees
+    tail_working: int = 0
+    tail_activations: int = 0
 
     def forward_total_s(self) -> float:
         return self.forward_s + self.gather_ops_s
@@ -113,10 +129,15 @@ def kept_and_recompute(summary: StepSummary, span: range, level: str, cost: Cost
 
 def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> list[UnitCost]:
     out = []
-    for u, span in enumerate(candidate.spans(len(summary.pieces))):
+    spans = candidate.spans(len(summary.pieces))
+    unit_of = {i: u for u, span in enumerate(spans) for i in span}
+    for u, span in enumerate(spans):
         ps = [summary.pieces[i] for i in span]
         every = sum(p.activation_bytes for p in ps)
         kept, recompute_s = kept_and_recompute(summary, span, candidate.level_of(u), cost)
+        # the gradient its backward receives (unfused: under fusion the largest result's gradient stands for it)
+        passed_on = [b for p in ps for reader, b in p.passed_on if reader >= span.stop]
+        received = 0 if summary.fused else max([0, *passed_on])
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
         shard = sum(p.shard_bytes for p in ps)
         ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)
@@ -140,21 +161,37 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
                 gather_ops_s,
                 cost.compute_seconds(0, OPS_PER_COLLECTIVE * reduces, 2 * (grads + shard)),
-                _working(ps, summary.fused),
+                _working(ps, summary.fused, received),
                 every - kept,
                 recompute_s,
                 any(p.backward_reads_params for p in ps),
                 sum(p.compute_grad_bytes or p.grad_bytes for p in ps),
                 summary.ranks == 1,
+                received,
+                _freed_later(ps, unit_of, u) if candidate.level_of(u) == NONE else (),
+                not unpack_is_view(sum(len(p.params) for p in ps)),
+                2 * summary.tail_largest_bytes if span.stop == len(summary.pieces) else 0,
+                summary.tail_activation_bytes if span.stop == len(summary.pieces) else 0,
             )
         )
     return out
 
 
-def _working(ps, fused: bool = False) -> int:
+def _freed_later(ps, unit_of: dict[int, int], u: int) -> tuple[tuple[int, int], ...]:
+    """(a later unit, bytes) of the activations of pieces ``ps`` (unit ``u``'s) whose earliest keeper is in it."""
+    later: dict[int, int] = {}
+    for p in ps:
+        for keeper, b in p.freed_in:
+            if unit_of.get(keeper, u) > u:
+                later[unit_of[keeper]] = later.get(unit_of[keeper], 0) + b
+    return tuple(sorted(later.items()))
+
+
+def _working(ps, fused: bool = False, received: int = 0) -> int:
     """The most a unit's backward holds beyond all of its activations (kept and recomputed): walking its pieces
     last first, each piece's working set (:data:`WORKING_RESULTS` times its largest result, or an attention's
-    score gradients) while its own and its earlier pieces' activations are live, the later pieces' freed. Under
+    score gradients; the last piece's beside the gradient the unit ``received``, which its first op reads and
+    frees) while its own and its earlier pieces' activations are live, the later pieces' freed. Under
     fusion (``fused``) :data:`FUSED_WORKING_RESULTS` times its largest result, and the parameter gradients its
     own and the later pieces' backward made, which live until the unit's end packs them."""
     every = sum(p.activation_bytes for p in ps)
@@ -162,9 +199,10 @@ def _working(ps, fused: bool = False) -> int:
     results = FUSED_WORKING_RESULTS if fused else WORKING_RESULTS
     for p in reversed(ps):
         grads += (p.compute_grad_bytes or p.grad_bytes) if fused else 0
-        piece = max(results * p.largest_result_bytes, SCORE_GRADIENTS * p.scores_bytes) + grads
+        piece = max(results * p.largest_result_bytes, SCORE_GRADIENTS * p.scores_bytes) + grads + received
         most = max(most, live + piece - every)
         live -= p.activation_bytes
+        received = 0
     return most
 
 

@@ -10,7 +10,7 @@ read, whether the backward reads its parameters, and the scores of an attention 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from thunder.core.proxies import TensorProxy
 
@@ -77,6 +77,16 @@ class Tally:
     matmul_escaping: list  # per piece: the part of ``escaping`` in ``matmul_acts``
     reads_params: list  # per piece: whether an op keeps one of its parameters for the backward
     scores: list  # per piece: the largest scores of an attention computed op by op
+    # per piece: {later piece: bytes} of its kept results whose backward is a later piece's (the first op keeping
+    # them is that piece's, or comes after its own last parameter read), which frees them (unfused only: a fusion
+    # executor keeps other tensors)
+    freed_in: list = field(default_factory=list)
+    # per piece: {last reading piece: bytes} of its results that later pieces read and that need a gradient
+    passed_on: list = field(default_factory=list)
+    # the ops after the forward's last parameter read (a loss the model computes; unfused only): their largest
+    # result (left out of the last piece's ``largest``) and the kept results their backward frees
+    tail_largest: int = 0
+    tail_acts: int = 0
 
 
 def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False,
@@ -88,6 +98,7 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
     t = Tally(*([0] * n for _ in range(12)))
     t.flops, t.matmul_flops = [0.0] * n, [0.0] * n
     t.escaping, t.matmul_escaping = [{} for _ in range(n)], [{} for _ in range(n)]
+    t.freed_in, t.passed_on = [{} for _ in range(n)], [{} for _ in range(n)]
     if n == 0:  # a model without parameters: no piece to charge
         return t
     made_in: dict[str, int] = {}  # a result's name -> the piece whose op made it
@@ -96,6 +107,7 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
     proxy: dict[str, TensorProxy] = {}
     kept: set[str] = set()
     kept_in: dict[str, set[int]] = {}  # a kept result -> the pieces whose ops keep it
+    freed_by: dict[str, int] = {}  # a kept result -> the piece whose backward frees it (n: the tail's)
     last_read: dict[str, int] = {}
     differentiated: set[str] = set()  # the results that depend on a parameter (the trace marks parameters only)
     elementwise_inputs: dict[str, tuple[str, ...]] = {}  # under fusion: an elementwise op's result -> what it read
@@ -110,6 +122,7 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
         for p in bsym.flat_proxy_args:
             if p.name in piece_of_arg:
                 last_param_read[piece_of_arg[p.name]] = k
+    tail_from = max(last_param_read.values(), default=len(ops)) + 1  # the loss inside the model, if any
     # a result that an op after its piece's last parameter read makes or reads (the residual add after a block's
     # last matmul, the next norm's reduction): outside the region a checkpointed unit ending there recomputes
     # (passes.checkpoint_units), so kept by it as by an op of a later piece: the piece after the reader's
@@ -153,9 +166,14 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
         # fused, its own intermediates are recomputed (item 4): a dtype conversion of an argument from the argument
         held = (*saved.inputs, *(saved.converted if fused_away else ()))
         keeps = [base.get(args[i].name, args[i].name) for i in held] + [outs[j].name for j in saved.outputs]
+        tail = k >= tail_from and not fuses
+        # whose backward reads it: an op after its piece's last parameter read runs its backward before the piece's
+        # (the schedule gathers a unit where its backward first reads a parameter), with the later piece's
+        keeper = current + 1 if k > last_param_read.get(current, k) else current  # the tail's: n
         for name in keeps:
             kept.add(name)
             kept_in.setdefault(name, set()).add(current)
+            freed_by[name] = min(freed_by.get(name, keeper), keeper)
         for i in (*saved.inputs, *saved.converted):  # a parameter, or its conversion: read by the backward
             name = base.get(args[i].name, args[i].name)
             if name in piece_of_arg:
@@ -170,7 +188,11 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
         if not matmul:
             t.moved[current] += tensor_bytes(bsym.flat_proxy_args) + tensor_bytes(bsym.flat_proxy_outs)
         kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in outputs]
-        t.largest[current] = max([t.largest[current], *(tensor_bytes((o,)) for o in kept_inside)])
+        largest = max([0, *(tensor_bytes((o,)) for o in kept_inside)])
+        if tail:  # the loss the forward computes: its own point in the backward, before the last unit's
+            t.tail_largest = max(t.tail_largest, largest)
+        else:
+            t.largest[current] = max(t.largest[current], largest)
     selective = kept & by_matmul  # what the selective level keeps of it: the matmuls' results
     if fuses:
         nbytes = lambda name: tensor_bytes((proxy[name],))  # noqa: E731
@@ -182,10 +204,19 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
     for name in kept:
         if name in made_in:
             t.acts[made_in[name]] += tensor_bytes((proxy[name],))
+            first = freed_by.get(name, made_in[name])
+            if not fuses and first == n:
+                t.tail_acts += tensor_bytes((proxy[name],))
+            elif not fuses and first > made_in[name]:
+                freed = t.freed_in[made_in[name]]
+                freed[first] = freed.get(first, 0) + tensor_bytes((proxy[name],))
     for name in selective:
         if name in made_in:
             t.matmul_acts[made_in[name]] += tensor_bytes((proxy[name],))
     for name, piece in made_in.items():
+        read_by = last_read.get(name, piece)
+        if read_by > piece and name in differentiated and is_float_tensor(proxy[name]):
+            t.passed_on[piece][read_by] = t.passed_on[piece].get(read_by, 0) + tensor_bytes((proxy[name],))
         reader = max(last_read.get(name, piece), trailing.get(name, piece) if name in kept else piece)
         if reader > piece and is_float_tensor(proxy[name]):
             for escaping in (t.escaping, t.matmul_escaping) if name in selective else (t.escaping,):

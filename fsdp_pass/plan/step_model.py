@@ -38,30 +38,45 @@ all but its matmuls and attentions). The step ends when both queues and the opti
 the two queues share the same cores (``CostInputs.overlap`` below 1: gloo's threads and the compute on one CPU),
 the communication that ran beside compute slows it by the share it does not hide.
 
-Memory, per rank, at the end of each unit's forward and at both ends of its backward:
+Memory, per rank, at each unit's unpack, at the end of its forward and at both ends of its backward:
 
 - between steps: the shards and the optimizer states (neither with offload);
 - gradient shards: each unit's from its reduce-scatter in the backward until the optimizer has stepped (torch's
   ``zero_grad()`` frees them; none on the device with offload), so all of them at the optimizer's step;
 - gathered units: those kept for the backward (not resharded) since their forward, the unit computing, and
-  the gathers issued and not yet used;
-- activations: every piece's up to this point of the forward, or not yet passed back in the backward (a
-  checkpointed unit's: what it keeps; at the start of its backward what it recomputes too);
+  the gathers issued and not yet used (none over a group of one rank, where the schedule packs each gather's buffer
+  right before its use: it moves nothing); a unit of several parameters twice at its unpack, which copies them out
+  of the gathered buffer, freed once the unpack has run (the next gather, issued after this one's wait, not yet);
+- activations: every piece's up to this point of the forward, or not yet freed in the backward: a kept result is
+  freed by the backward of the first op that keeps it, so the results a later piece keeps (a block's output, the
+  next norm's input), and those that ops after a piece's last parameter read keep (the residual sum, the next
+  norm's reduction: their backward runs before the unit is gathered again), are freed in that later unit's backward
+  (``UnitCost.freed_later``); a checkpointed unit's: what it keeps, at the start of its backward what it recomputes;
 - before the backward, where the caller computes the loss on the outputs (``StepSummary.loss_bytes``, a
   cross-entropy's log-probabilities and their gradient): those, the outputs' gradients, the kept units and every
   activation, no backward gather issued yet (the loss runs before the backward trace);
+- where the forward computes the loss itself (the ops after its last parameter read, ``UnitCost.tail_working``):
+  its backward first, on the same bytes, with the gradient one of its ops receives and the one it makes (each as
+  large as the loss's largest result) in place of the caller's loss, and no backward gather issued yet (the schedule
+  issues the first right before the first op that computes with gathered parameters); what the loss kept (its
+  log-probabilities) is freed before the last unit's own backward;
 - in the backward, the buffers of the two reduce-scatters still in flight (none over a group of one rank, where a
   reduce-scatter returns its input, the gradient shard counted above), the gathers issued and not yet used,
-  and the larger of the unit's two ends: its start (its gathered parameters, its activations, for the last unit
-  the gradients of the forward's outputs, which the backward receives and frees once its ops have read them (the
-  memory report's rule 5: torch's autograd engine keeps no reference), and its working set:
-  :data:`WORKING_RESULTS` times its largest forward result, the gradient an op receives, the one it makes, a
-  temporary, one of them under fusion, :data:`FUSED_WORKING_RESULTS`; checkpointed, what it recomputed) and its end
-  (its gradients in the gathered dtype and the flat buffer they are packed into in the reduce dtype,
-  its parameters and activations freed: the ops that make the gradients read them for the last time).
+  and the larger of the unit's two ends: its start (its gathered parameters, its activations, the gradient it
+  receives: for the last unit the gradients of the forward's outputs, which the backward receives and frees once
+  its ops have read them (the memory report's rule 5: torch's autograd engine keeps no reference), for another the
+  largest of its results the later units read (``UnitCost.received``, unfused lists), live while its last piece's
+  first op reads it, and its working set: the gradient an op makes, :data:`WORKING_RESULTS` times its largest
+  forward result (each op's backward frees the saved activations it read as it makes the next gradients), or an
+  attention's score gradients, under fusion :data:`FUSED_WORKING_RESULTS`; checkpointed, what it
+  recomputed) and its end (its gradients in the gathered dtype and the flat buffer they are packed into in the
+  reduce dtype, the gradient it hands on to the unit before it, its parameters and activations freed: the ops that
+  make the gradients read them for the last time).
 
 Not modelled: ``Schedule.max_unused_bytes``, scratch memory inside an op, fusion (a fused region is one op with
-less memory traffic: the inputs' op and byte terms are then upper bounds).
+less memory traffic: the inputs' op and byte terms are then upper bounds), the forward's temporaries (a loss the
+forward computes holds its logits and two more results as large at its last ops: on the CPU the same bytes as its
+backward's point, which the model counts).
 """
 
 from __future__ import annotations
@@ -113,11 +128,13 @@ def _host_copy_s(nbytes: int, cost: CostInputs, offload: bool) -> float:
     return nbytes / cost.host_bytes_per_s if cost.host_bytes_per_s else 0.0
 
 
-def _issue_anchors(seq: list[int], candidate: Candidate) -> list[int]:
+def _issue_anchors(seq: list[int], candidate: Candidate, one_rank: bool = False) -> list[int]:
     """For the gathers ``seq`` (unit indices, in the order a trace uses them): after the wait of which gather
     each is issued, as the schedule does: ``t - depth`` of its unit (-1: at the top of the trace), or ``t`` itself
-    for depth 0 (right before its own wait)."""
-    return [max(t - candidate.depth_of(u), -1) if candidate.depth_of(u) > 0 else t for t, u in enumerate(seq)]
+    for depth 0 (right before its own wait), as every gather over a group of one rank (``one_rank``: it moves
+    nothing, and the schedule packs its buffer right before its use)."""
+    depth = (lambda u: 0) if one_rank else candidate.depth_of
+    return [max(t - depth(u), -1) if depth(u) > 0 else t for t, u in enumerate(seq)]
 
 
 def _gather_orders(candidate: Candidate, units: list[UnitCost]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -125,14 +142,15 @@ def _gather_orders(candidate: Candidate, units: list[UnitCost]) -> tuple[list[in
     leading units kept for the backward are all issued at the top (``Schedule.kept_units_first``). The
     backward gathers again the units that resharded and whose backward reads their parameters, last unit first."""
     k = len(units)
+    one_rank = bool(units) and units[0].reduced_in_place  # a group of one rank
     forward = list(range(k))
-    anchors = _issue_anchors(forward, candidate)
+    anchors = _issue_anchors(forward, candidate, one_rank)
     for t in range(k):
         if candidate.reshard[t]:
             break
         anchors[t] = -1
     backward = [j for j in range(k - 1, -1, -1) if units[j].gathered_again(candidate.reshard[j])]
-    return forward, anchors, backward, _issue_anchors(backward, candidate)
+    return forward, anchors, backward, _issue_anchors(backward, candidate, one_rank)
 
 
 def _step_seconds(units: list[UnitCost], candidate: Candidate, cost: CostInputs) -> float:
@@ -214,6 +232,12 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
     return out
 
 
+def _issued_before(seq: list[int], anchors: list[int], units: list[UnitCost]) -> list[int]:
+    """Bytes of the other gathers issued and not yet waited for when gather ``t`` is waited and unpacked: entry
+    ``t`` (those issued after an earlier wait, or at the top, and used after it)."""
+    return [sum(units[seq[s]].gathered for s in range(t + 1, len(seq)) if anchors[s] < t) for t in range(len(seq))]
+
+
 def peak_of(
     units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0,
     loss: int = 0,
@@ -221,47 +245,68 @@ def peak_of(
     k = len(units)
     forward, f_anchor, backward, b_anchor = _gather_orders(candidate, units)
     f_unused, b_unused = _issued_unused(forward, f_anchor, units), _issued_unused(backward, b_anchor, units)
+    f_before, b_before = _issued_before(forward, f_anchor, units), _issued_before(backward, b_anchor, units)
     best, where = persistent, "between steps"
+
+    def point(live: int, at: str) -> None:
+        nonlocal best, where
+        if live > best:
+            best, where = live, at
+
     acts = 0
     kept = 0  # gathered units before this one that stay gathered for the backward
     for i in range(k):
+        # its unpack: the gathered buffer and the parameters copied out of it, before its ops run
+        if units[i].copies_out:
+            point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
         acts += units[i].activations
-        live = persistent + kept + units[i].gathered + f_unused[i + 1] + acts
-        if live > best:
-            best, where = live, f"forward of {names[i]}"
+        point(persistent + kept + units[i].gathered + f_unused[i + 1] + acts, f"forward of {names[i]}")
         if not candidate.reshard[i]:
             kept += units[i].gathered
     # the caller's loss, before the backward trace: its bytes beside the outputs' gradients, the kept units (the last
     # one too where kept) and every activation, no backward gather issued yet
-    live = persistent + kept + acts + output_grad + loss
-    if loss and live > best:
-        best, where = live, "the caller's loss, before the backward"
+    if loss:
+        point(persistent + kept + acts + output_grad + loss, "the caller's loss, before the backward")
+    # a loss the forward computed: its backward comes first, on the same bytes, with its own working set in place of
+    # the caller's; the schedule issues no backward gather above it (schedule_collectives, step 3)
+    last = units[-1] if units else None
+    if last is not None and last.tail_working:
+        point(persistent + kept + acts + output_grad + last.tail_working, f"the loss's backward, before {names[-1]}'s")
+        acts -= last.tail_activations
     latest_wait = -1  # the backward gathers waited for so far
     reduced = 0  # the gradient shards the backward has made so far
+    freed_at: dict[int, int] = {}  # a unit -> the earlier units' activations its backward frees
+    for u in units:
+        for v, b in u.freed_later:
+            freed_at[v] = freed_at.get(v, 0) + b
     for j in range(k - 1, -1, -1):
         gathered = units[j].gathered  # kept since its forward, or gathered again
+        again = False
         if not candidate.reshard[j]:
             kept -= units[j].gathered
         elif units[j].reads_params:
             latest_wait += 1
+            again = True
         else:
             gathered = 0
         ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT] if not u.reduced_in_place)
-        common = persistent + reduced + kept + ahead + in_flight
-        # its backward starts with its parameters gathered, its activations kept and the gradients of its largest
-        # results being made (the last unit's: the forward's outputs' gradients too, which its ops read and free),
-        # and ends with its gradients packed for the reduce-scatter, the rest freed: each op of it that makes a
-        # gradient frees what it read
+        common = persistent + reduced + kept + in_flight
+        received = output_grad if j == k - 1 else units[j].received  # the gradient its backward starts from
+        if again and units[j].copies_out:  # its unpack, before its ops: the gathered buffer and the copies out of it
+            point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
+        # its backward starts with its parameters gathered, its activations kept (less those a later unit's backward
+        # read last and freed), its working set: the gradient it receives and the one an op makes (the last unit's:
+        # the forward's outputs' gradients, which its ops read and free, beside it), and ends with its gradients
+        # packed for the reduce-scatter, its activations freed (the ops that make the gradients read them for the last
+        # time) and the gradient it hands on to the unit before it
         start = gathered + acts + units[j].recomputed + units[j].working + (output_grad if j == k - 1 else 0)
+        acts -= units[j].activations - sum(b for _, b in units[j].freed_later) + freed_at.get(j, 0)
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
-        live = common + max(start, acts - units[j].activations + made + units[j].grads)
-        if live > best:
-            best, where = live, f"backward of {names[j]}"
-        acts -= units[j].activations
+        handed_on = units[j - 1].received if j else 0
+        point(common + ahead + max(start, acts + made + units[j].grads + handed_on), f"backward of {names[j]}")
         reduced += 0 if candidate.offload else units[j].shard
-    if persistent + reduced > best:
-        best, where = persistent + reduced, "optimizer step"
+    point(persistent + reduced, "optimizer step")
     return best, where
 
 

@@ -31,13 +31,17 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    ``backward_reads_params``: whether its ops keep one of its parameters (or a tied one's) for the backward
    (else its unit is not gathered again); ``compute_grad_bytes`` its gradients in the gathered dtype.
    ``scores_bytes``: an attention computed op by op, its scores (its backward makes two gradients as large).
+   ``freed_in``: its kept results whose backward is a later piece's (kept first by that piece's ops, or by ops
+   after this piece's last parameter read, whose backward runs before this piece's unit is gathered again), which
+   frees them; ``passed_on``: its results that later pieces read and that need a gradient (unfused lists only).
    The dry run's traced peak (``explain()``) is the check.
 
 5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
    views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them), ``matmul_ops`` and ``matmul_flops`` the
    matmuls' and attentions' part; ``moved_bytes``: what the ops that are
    neither matmuls nor views read and write (elementwise ops, reductions, normalizations), their tensors' bytes;
-   ``largest_result_bytes``: the largest floating-point result of those ops that the forward does not return (the
+   ``largest_result_bytes``: the largest floating-point result of those ops that the forward does not return, a
+   loss it computes left out (item 6) (the
    backward's working set is counted in these: the gradient an op receives, the one it makes, a temporary; the
    returned results' gradients are item 6's).
 
@@ -45,14 +49,16 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    receives and frees once the last unit's ops have read them (the logits, when the loss is computed outside the
    model; a scalar when it is inside). ``loss_bytes``: what a loss the caller computes on those outputs holds at
    the backward's start (:func:`caller_loss_bytes`, the memory report's rule 6; 0 where
-   the forward returns its own loss).
+   the forward returns its own loss). Where it does (unfused lists), ``tail_largest_bytes`` and
+   ``tail_activation_bytes``: the largest result of the ops after the forward's last parameter read, and what they
+   keep: the loss's backward, which runs before the last unit's.
+
+7. ``replicas`` (of the whole step): under HSDP, how many copies of the shard group all-reduce each reduced
+   gradient shard (``ranks`` is the shard group's size).
 
 8. ``gathers_views`` (of the whole step): whether a unit's gather is its shards themselves, views and no copy
    (:func:`~fsdp_pass.ops.unshard.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
    no quantized gather; offload, a candidate's choice, copies them all the same).
-
-7. ``replicas`` (of the whole step): under HSDP, how many copies of the shard group all-reduce each reduced
-   gradient shard (``ranks`` is the shard group's size).
 
 No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused
 (``fused_attention(bsym)``), so the planner can be tested on hand-made summaries.
@@ -102,6 +108,12 @@ class Piece:
     # its unsharded gradients as the backward makes them, in the gathered dtype (0: ``grad_bytes``), before they are
     # packed in the reduce dtype
     compute_grad_bytes: int = 0
+    # (a later piece, bytes): its kept results whose earliest keeper is that later piece (a block's output, which the
+    # next norm keeps): that piece's backward reads them last and frees them (item 4)
+    freed_in: tuple[tuple[int, int], ...] = ()
+    # (the last piece that reads them, bytes): its results that later pieces read and that need a gradient (a block's
+    # output): the gradient its backward receives from theirs
+    passed_on: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,9 @@ class StepSummary:
     fused: bool = False  # a fusion executor runs the elementwise ops (the CUDA lowering): step_model's working set
     loss_bytes: int = 0  # what the caller's loss on the outputs holds at the backward's start (item 6)
     gathers_views: bool = False  # a unit's gather is its shards themselves (item 8): one rank, nothing cast
+    # a loss the forward computes after its last parameter read (item 6): its largest result and what it keeps
+    tail_largest_bytes: int = 0
+    tail_activation_bytes: int = 0
 
     @property
     def shard_bytes(self) -> int:
@@ -212,13 +227,16 @@ def summarize(
             tuple(sorted(t.matmul_escaping[i].items())),
             bool(reads_params[i]),
             nbytes(params, precision.param_dtype),
+            tuple(sorted(t.freed_in[i].items())),
+            tuple(sorted(t.passed_on[i].items())),
         )
         for i, (name, block, params) in enumerate(found)
     )
     cast = [p for _, _, ps in found for p in ps if precision.param_dtype not in (None, sharding.param(p).dtype)]
     views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
     return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
-                       caller_loss_bytes(computation, param_of_arg, precision), views)
+                       caller_loss_bytes(computation, param_of_arg, precision), views,
+                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts)
 
 
 def returned_outputs(computation) -> list[TensorProxy]:
