@@ -32,10 +32,10 @@ UNITS = ["fc1", "fc2", "head"]  # the MLP's, in forward order
 
 
 @functools.cache
-def mlp_dry_run(check_finite: bool):
+def mlp_dry_run(check_finite: bool, world: int = 2):
     with torch.device("meta"):
         model = models.MODELS["mlp"]()
-    return dry_run(model, (models.batch("mlp", 4, 0)[0],), 2, "zero3", units="blocks", check_finite=check_finite)
+    return dry_run(model, (models.batch("mlp", 4, 0)[0],), world, "zero3", units="blocks", check_finite=check_finite)
 
 
 def _ops(trace, keep=lambda b: True) -> list:
@@ -84,6 +84,25 @@ def test_off_no_op_on_every_unit_checked_in_execution_order():
             assert trace.bound_symbols[ret - 1].sym.name == "raise_if_nonfinite" and "[fsdp] check finite" in str(
                 trace.bound_symbols[ret - 1].header)
     assert slots == list(range(len(checks)))
+
+
+def test_one_rank_checks_each_units_shards_and_output_without_a_gather():
+    """At world 1 a unit's gather is its shards themselves (views: no pack to check after): each unit's shards are
+    checked after the first op that reads them, its output after the last op that reads them or a view of them."""
+    on = mlp_dry_run(True, 1)
+    forward = on.forward
+    assert not any(is_pack_shards(b) for b in forward.bound_symbols)
+    checks = checks_of(on.fsdp.compiled_step.key)
+    assert [(c.unit, c.what) for c in checks if c.phase == "forward"] == [
+        (u, w) for u in UNITS for w in (PARAMETERS, OUTPUT)]  # no prefetch over one rank: each unit in turn
+    shard_args = {a for a, p in on.fsdp.unit_plan.arguments if p is not None}
+    for _, b, before in _checks(forward):
+        tensors, _, slot = b.args
+        if checks[slot].what == PARAMETERS:  # the unit's shards, which the op before reads
+            names = {t.name for t in tensors}
+            assert names and names <= shard_args and names & {p.name for p in before.flat_proxy_args}, b
+        else:
+            assert before.sym.name == "linear", before
 
 
 def test_nan_on_one_rank_every_rank_names_unit_what_and_rank(ranks):

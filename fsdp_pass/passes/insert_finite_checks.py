@@ -9,7 +9,9 @@ region: the checks read only tensors that the final trace holds at top level, un
    them: the gathered parameters are every rank's packed shard side by side, so each rank checking its own covers
    them all and says which rank's shard holds the NaN); after the last op that reads its gathered parameters (or a
    view of them), a check of that op's results (its output). ZeRO-3's second gather, in the backward, is not
-   checked again.
+   checked again. A unit whose gather is its shards themselves (one rank:
+   :func:`~fsdp_pass.ops.unshard.gathers_nothing`, views, no pack) has its shards checked after the first op that
+   reads them, and its output after the last op that reads them or a view of them.
 2. Backward, per unit: after ``pack_grads``, this rank's gradient before the reduce-scatter; after
    ``unpack_grad_shard``, the reduced gradient shards.
 3. ``clear_finite_flags`` first in the forward (after the inputs are named); ``raise_if_nonfinite`` right before the
@@ -73,9 +75,31 @@ def _last_reader(bsyms, start: int, names: set[str]) -> int | None:
     return last
 
 
-def _planned_checks(bsyms, phase: str, units: frozenset[str]) -> list[tuple[int, str, str, list]]:
-    """``(index of the op the check follows, unit, what, tensors)`` for every check of ``phase``, in trace order."""
+def _viewed_units(bsyms, plan: UnitPlan, units: frozenset[str]) -> list[tuple[int, str, str, list]]:
+    """The forward's checks of the units gathered as their shards' views (no ``pack_shards``: one rank): their
+    shards after the first op that reads one, their output after the last op that reads them or a view of them."""
+    packed = {unit_of_op(b) for b in bsyms if is_unit_op(b) and is_pack_shards(b)}
     found = []
+    for unit in plan.units:
+        if unit.name not in units or unit.name in packed:
+            continue
+        names = {arg for arg, param in plan.arguments if param in unit.params}
+        readers = [i for i, b in enumerate(bsyms)
+                   if not (is_bookkeeping(b) or is_return(b)) and any(p.name in names for p in b.flat_proxy_args)]
+        if not readers:
+            continue
+        shards = list({p.name: p for i in readers for p in bsyms[i].flat_proxy_args
+                       if isinstance(p, TensorProxy) and p.name in names}.values())
+        found.append((readers[0], unit.name, PARAMETERS, shards))
+        last = _last_reader(bsyms, readers[0] - 1, names)
+        if last is not None and _tensors(bsyms[last]):
+            found.append((last, unit.name, OUTPUT, _tensors(bsyms[last])))
+    return found
+
+
+def _planned_checks(bsyms, phase: str, units: frozenset[str], plan: UnitPlan) -> list[tuple[int, str, str, list]]:
+    """``(index of the op the check follows, unit, what, tensors)`` for every check of ``phase``, in trace order."""
+    found = _viewed_units(bsyms, plan, units) if phase == "forward" else []
     for i, b in enumerate(bsyms):
         unit = unit_of_op(b) if is_unit_op(b) else None
         if unit not in units:
@@ -106,7 +130,7 @@ def _check_header(check: FiniteCheck, slot: int) -> str:
 def insert_finite_checks(trace, phase: str, plan: UnitPlan, group, key: str):
     """``group``: every rank of the model (they decide together); ``key``: the compile's key (its flags)."""
     bsyms = trace.bound_symbols
-    planned = _planned_checks(bsyms, phase, frozenset(plan.unit_named))
+    planned = _planned_checks(bsyms, phase, frozenset(plan.unit_named), plan)
     checks = [FiniteCheck(unit, what, phase) for _, unit, what, _ in planned]
     first = add_checks(key, group, checks)
     after: dict[int, list] = {}
