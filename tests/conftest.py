@@ -7,6 +7,9 @@ import pytest
 
 from tests.notebook_runner import BackgroundNotebooks
 from tests.rank_pool import RankPool, shutdown_all
+from tests.tracing_memos import install
+
+install()  # a third less time in Thunder's interpreter (tests/tracing_memos.py); the ranks install it too
 
 _pools: dict[int, RankPool] = {}
 _notebooks: list[BackgroundNotebooks] = []

@@ -56,7 +56,8 @@ def execute(path: Path):
 
     class ThisInterpreter(KernelSpecManager):
         def get_kernel_spec(self, kernel_name):
-            argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+            # ipykernel's launcher with tests/tracing_memos.py's memos installed first (a third less time tracing)
+            argv = [sys.executable, str(Path(__file__).with_name("tracing_memos.py")), "-f", "{connection_file}"]
             return KernelSpec(argv=argv, display_name=f"Python ({sys.executable})", language="python")
 
     nb = nbformat.read(path, as_version=4)
