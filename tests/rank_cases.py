@@ -58,9 +58,9 @@ def _cast_floats(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-# (model name, compute dtype, model config) -> (the low-precision copy, its plain-Thunder jit), made once in rank 0's process (the
-# only rank that computes the mixed reference): every mixed-precision parity case of that model and dtype reuses the
-# reference's compile (each step copies the current float32 weights into the copy; the model's buffers are the same
+# (model name, compute dtype, model config) -> (the low-precision copy, its plain-Thunder jit), made once in rank 0's
+# process (the only rank that computes the mixed reference): every mixed-precision parity case of that model, config
+# and dtype reuses the reference's compile (each step copies the current float32 weights into the copy; the model's buffers are the same
 # deterministic ones)
 _LOW_PRECISION_COPIES: dict = {}
 
