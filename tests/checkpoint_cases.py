@@ -36,8 +36,9 @@ def _jit_module(model, strategy: str, **fsdp_kwargs):
     return thunder.jit(model, transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors_for("cpu"))
 
 
-def _jit(model_name: str, strategy: str, **fsdp_kwargs):
-    model = models.build(model_name, seed=dist.get_world_size())  # other weights than the saved ones
+def _jit(model_name: str, strategy: str, model_config: dict | None = None, **fsdp_kwargs):
+    # other weights than the saved ones; model_config: the model's constructor arguments (models.build)
+    model = models.build(model_name, seed=dist.get_world_size(), config=model_config)
     return _jit_module(copy.deepcopy(model), strategy, **fsdp_kwargs)
 
 
@@ -99,12 +100,13 @@ def _same_states(a: list[dict], b: list[dict]) -> bool:
 
 
 def save_and_continue(
-    model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, m: int = 2, **fsdp_kwargs
+    model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, m: int = 2,
+    model_config: dict | None = None, **fsdp_kwargs,
 ):
     """Train k steps, save, train m more (the uninterrupted run). Then, in the same process, load the checkpoint
     into the model with a fresh optimizer and train the same m steps again: bitwise the same."""
     rank = dist.get_rank()
-    jm = _jit(model_name, strategy, **fsdp_kwargs)
+    jm = _jit(model_name, strategy, model_config, **fsdp_kwargs)
     opt = make_optimizer(jm, optimizer)
     out = {"losses_before": train(jm, opt, model_name, range(k))}
     at_save = _full_params(jm)
@@ -123,7 +125,7 @@ def save_and_continue(
     out["resumed_params_bitwise"] = _same(uninterrupted, _full_params(jm))
     out["params"] = uninterrupted if rank == 0 else None
 
-    original_keys = sorted(models.build(model_name).state_dict())
+    original_keys = sorted(models.build(model_name, config=model_config).state_dict())
     sd = jm.state_dict()
     out["jm_state_dict_keys_match"] = sorted(sd) == original_keys
     out["jm_state_dict_plain"] = sorted(k for k, v in sd.items() if type(v).__name__ != "DTensor")
@@ -176,11 +178,11 @@ def full_and_flat_forms(model_name: str, strategy: str, optimizer: str, **fsdp_k
 
 def resume_elsewhere(
     model_name: str, strategy: str, optimizer: str, directory: str, k: int = 2, m: int = 2, keep: bool = False,
-    **fsdp_kwargs,
+    model_config: dict | None = None, **fsdp_kwargs,
 ):
     """A fresh model and optimizer at this world size load the checkpoint saved at another, and train on.
     ``keep``: the model and optimizer under ``"jm"`` and ``"opt"`` too, for a caller on the rank."""
-    jm = _jit(model_name, strategy, **fsdp_kwargs)
+    jm = _jit(model_name, strategy, model_config, **fsdp_kwargs)
     opt = make_optimizer(jm, optimizer)
     resumed = fsdp_pass.load_checkpoint(directory, jm, opt)
     state_at_load = whole_state(jm, opt)

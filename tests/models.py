@@ -177,9 +177,10 @@ NON_ADJACENT_UNITS = {
 }
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
+def build(name: str, seed: int = 0, config: dict | None = None) -> nn.Module:
+    """``MODELS[name]`` with ``config`` as its constructor's keyword arguments (e.g. ``{"n_layer": 1}``)."""
     torch.manual_seed(seed)
-    return MODELS[name]()
+    return MODELS[name](**(config or {}))
 
 
 def batch(name: str, global_batch: int, step: int, seq: int = 8):

@@ -37,10 +37,13 @@ def _norm_rel(ours, theirs) -> float:
     return (diff / max(ref, 1e-30)) ** 0.5
 
 
-def _reference_and_fsdp_model(model_name: str, strategy: str, executor_names=None, device="cpu", **fsdp_kwargs):
+def _reference_and_fsdp_model(
+    model_name: str, strategy: str, executor_names=None, device="cpu", model_config=None, **fsdp_kwargs
+):
     """(the single-process reference, its FSDP-jitted copy, the FSDP transform), both on ``device``.
-    ``executor_names``: Thunder executors by name (default: executors_for(device))."""
-    reference = models.build(model_name).to(device)
+    ``executor_names``: Thunder executors by name (default: executors_for(device)); ``model_config``: the model's
+    constructor arguments (``models.build``)."""
+    reference = models.build(model_name, config=model_config).to(device)
     executors = executors_for(device) if executor_names is None else [get_executor(n) for n in executor_names]
     jm = thunder.jit(copy.deepcopy(reference), transforms=[FSDP(strategy, **fsdp_kwargs)], executors=executors)
     return reference, jm, fsdp_of(jm)
@@ -55,9 +58,9 @@ def _cast_floats(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t
 
 
-# (model name, compute dtype) -> (the low-precision copy, its plain-Thunder jit), made once in rank 0's process (the
-# only rank that computes the mixed reference): every mixed-precision parity case of that model and dtype reuses the
-# reference's compile (each step copies the current float32 weights into the copy; the model's buffers are the same
+# (model name, compute dtype, model config) -> (the low-precision copy, its plain-Thunder jit), made once in rank 0's
+# process (the only rank that computes the mixed reference): every mixed-precision parity case of that model, config
+# and dtype reuses the reference's compile (each step copies the current float32 weights into the copy; the model's buffers are the same
 # deterministic ones)
 _LOW_PRECISION_COPIES: dict = {}
 
@@ -69,9 +72,9 @@ class _MixedPrecisionReference:
     round the same decomposed ops), outputs back in float32, gradients averaged in float32 into the float32
     master parameters."""
 
-    def __init__(self, model_name, reference, compute_dtype, reduce_dtype=torch.float32):
+    def __init__(self, model_name, reference, compute_dtype, reduce_dtype=torch.float32, model_config=None):
         self.reference, self.compute_dtype, self.reduce_dtype = reference, compute_dtype, reduce_dtype
-        key = (model_name, compute_dtype)
+        key = (model_name, compute_dtype, tuple(sorted((model_config or {}).items())))
         if key not in _LOW_PRECISION_COPIES:
             low = copy.deepcopy(reference)  # parameters in the compute dtype, buffers as the module defines them
             for q in low.parameters():
@@ -136,9 +139,11 @@ def parity(
     loss_scale: float = 1.0,
     same_batch_on_every_rank: bool = False,
     measure_step: bool = False,
+    model_config: dict | None = None,
     **fsdp_kwargs,
 ):
     """Train the FSDP model and a single-process reference on the same global batches; report errors.
+    ``model_config``: the model's constructor arguments (``models.build``; None: its defaults).
     ``device``: where the model computes (``"cuda"``: gloo with CUDA tensors, every rank on one GPU).
     ``keep_model``: the jitted model under ``"jm"`` too, for a caller on the rank that looks further.
     ``loss_scale``: both sides backpropagate the loss times this (gradients compared as they come, scaled).
@@ -157,7 +162,9 @@ def parity(
     parameter's gathered gradient against the reference's, one relative error per parameter; the padding rows
     of every shard exactly zero; 4. both optimizers step."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    reference, jm, fsdp = _reference_and_fsdp_model(model_name, strategy, executor_names, device, **fsdp_kwargs)
+    reference, jm, fsdp = _reference_and_fsdp_model(
+        model_name, strategy, executor_names, device, model_config, **fsdp_kwargs
+    )
     opt = torch.optim.AdamW(jm.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=lr)
     ref_params = dict(reference.named_parameters())
@@ -165,7 +172,7 @@ def parity(
     trainable = [p for p in reference.parameters() if p.requires_grad]
     mixed = None
     if compute_dtype is not None and rank == 0:  # computed once, on rank 0, and sent to the others (below)
-        mixed = _MixedPrecisionReference(model_name, reference, compute_dtype, reduce_dtype)
+        mixed = _MixedPrecisionReference(model_name, reference, compute_dtype, reduce_dtype, model_config)
     loss_err, local_loss_err, grad_err, norm_err, full_precision_err, losses, frozen_grads = [], [], [], [], [], [], []
     grad_err_by_param: dict[str, float] = {}
     largest_low_precision_grad = 0.0

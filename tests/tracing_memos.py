@@ -74,6 +74,27 @@ def install() -> None:
         frame_class.get_or_make_python_frame = _frame_memo(make)
 
 
+def _spawned_processes_install_them_too() -> None:
+    """The processes a notebook spawns (its gloo ranks: ``run_on_local_ranks``) install the memos too, out of the
+    notebook's sight. multiprocessing's spawn runs the parent's main script in the child as ``__mp_main__`` before
+    the child's work; a kernel's main module has no script, so this one is named (below, that name installs)."""
+    import os
+    from multiprocessing import spawn
+
+    original, here = spawn.get_preparation_data, os.path.abspath(__file__)
+
+    def get_preparation_data(name):
+        data = original(name)
+        if "init_main_from_name" not in data and "init_main_from_path" not in data:
+            data["init_main_from_path"] = here
+        return data
+
+    spawn.get_preparation_data = get_preparation_data
+
+
+if __name__ == "__mp_main__":  # a process spawned by a notebook's kernel (above)
+    install()
+
 if __name__ == "__main__":
     # a Jupyter kernel with the memos (tests/notebook_runner.py starts the notebooks' kernels so); as
     # ipykernel_launcher does, without this script's folder on the path while the kernel loads (the kernel puts
@@ -82,6 +103,7 @@ if __name__ == "__main__":
 
     del sys.path[0]
     install()
+    _spawned_processes_install_them_too()
     from ipykernel import kernelapp
 
     kernelapp.launch_new_instance()
