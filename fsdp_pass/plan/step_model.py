@@ -43,7 +43,9 @@ Memory, per rank, at each unit's unpack, at the end of its forward and at both e
 - between steps: the shards and the optimizer states (neither with offload);
 - gradient shards: each unit's from its reduce-scatter in the backward until the optimizer has stepped (torch's
   ``zero_grad()`` frees them; none on the device with offload), so all of them at the optimizer's step;
-- gathered units: those kept for the backward (not resharded) since their forward, the unit computing, and
+- gathered units: those kept for the backward (not resharded) since their forward, where their backward reads
+  their parameters (``UnitCost.reads_params``: an embedding's reads its indices only, so the forward saves none of
+  its gathered parameters and frees them after their last read, kept or resharded), the unit computing, and
   the gathers issued and not yet used (none over a group of one rank, where the schedule packs each gather's buffer
   right before its use: it moves nothing); a unit of several parameters twice at its unpack, which copies them out
   of the gathered buffer, freed once the unpack has run (the next gather, issued after this one's wait, not yet);
@@ -261,7 +263,7 @@ def peak_of(
             point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
         acts += units[i].activations
         point(persistent + kept + units[i].gathered + f_unused[i + 1] + acts, f"forward of {names[i]}")
-        if not candidate.reshard[i]:
+        if not candidate.reshard[i] and units[i].reads_params:  # else freed after its forward's last read
             kept += units[i].gathered
     # the caller's loss, before the backward trace: its bytes beside the outputs' gradients, the kept units (the last
     # one too where kept) and every activation, no backward gather issued yet
@@ -282,13 +284,13 @@ def peak_of(
     for j in range(k - 1, -1, -1):
         gathered = units[j].gathered  # kept since its forward, or gathered again
         again = False
-        if not candidate.reshard[j]:
+        if not units[j].reads_params:  # kept or resharded, freed after its forward's last read
+            gathered = 0
+        elif not candidate.reshard[j]:
             kept -= units[j].gathered
-        elif units[j].reads_params:
+        else:
             latest_wait += 1
             again = True
-        else:
-            gathered = 0
         ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT] if not u.reduced_in_place)
         common = persistent + reduced + kept + in_flight
