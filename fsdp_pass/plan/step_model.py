@@ -61,7 +61,8 @@ Memory, per rank, at each unit's unpack, at the end of its forward and at both e
   its backward first, on the same bytes, with the gradient one of its ops receives and the one it makes (each as
   large as the loss's largest result) in place of the caller's loss, and no backward gather issued yet (the schedule
   issues the first right before the first op that computes with gathered parameters); what the loss kept (its
-  log-probabilities) is freed before the last unit's own backward;
+  log-probabilities, the logits a mean of squares reads again: the last unit's activations) is freed there, before
+  the last unit's own backward, which frees the rest of them;
 - in the backward, the buffers of the two reduce-scatters still in flight (none over a group of one rank, where a
   reduce-scatter returns its input, the gradient shard counted above), the gathers issued and not yet used,
   and the larger of the unit's two ends: its start (its gathered parameters, its activations, the gradient it
@@ -303,7 +304,9 @@ def peak_of(
         # packed for the reduce-scatter, its activations freed (the ops that make the gradients read them for the last
         # time) and the gradient it hands on to the unit before it
         start = gathered + acts + units[j].recomputed + units[j].working + (output_grad if j == k - 1 else 0)
-        acts -= units[j].activations - sum(b for _, b in units[j].freed_later) + freed_at.get(j, 0)
+        # (less what the loss's backward freed before it: the last unit's results the loss kept, its logits)
+        acts -= (units[j].activations - units[j].tail_activations - sum(b for _, b in units[j].freed_later)
+                 + freed_at.get(j, 0))
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
         handed_on = units[j - 1].received if j else 0
         point(common + ahead + max(start, acts + made + units[j].grads + handed_on), f"backward of {names[j]}")
