@@ -124,8 +124,9 @@ def shard_functional_trace(
     (``mixed_precision``, ``checkpoint_activations``, ``schedule``, ``memory_budget`` and ``cost`` under
     ``"auto"``). The plan keeps the options it was made with (``plan.options``: under ``"auto"`` the auto
     plan's units, resharding and prefetch depths), and :func:`derive_backward_and_lower` schedules with them.
-    ``executors``: the list the trace will be lowered with (the step model reads which attentions run as one
-    kernel; default: :func:`derive_backward_and_lower`'s, the CPU list).
+    ``executors``: the list the trace will be lowered with (:func:`derive_backward_and_lower`'s, the CPU's when
+    left out): the plan's step summary reads which attentions it runs as one kernel (on the CPU,
+    ``cpu_attention``'s flash kernel, which keeps no b·h·s·s scores for the backward).
     """
     check(
         dist.is_initialized(),
@@ -147,7 +148,7 @@ def shard_functional_trace(
     groups = resolve_groups(mesh=group) if isinstance(group, DeviceMesh) else RankGroups(group)
     sharding = sharding_of_trace(prologue, computation, groups.shard, fsdp.strategy, stored)
     sharded = ShardedModel(sharding, groups, tree)
-    executors = executors if executors is not None else executors_for("cpu")
+    executors = tuple(executors if executors is not None else executors_for("cpu"))
     _, computation, plan, planned = rewrite_forward(prologue, computation, sharded, fsdp, executors=executors)
     # the options the plan was made with (the auto plan's under "auto"): the lowering's stages read them, as the
     # transform's do from its CompiledStep

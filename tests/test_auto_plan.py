@@ -445,13 +445,15 @@ def test_a_units_backward_peaks_at_one_of_its_ends_plus_its_working_set():
     # the end: u1's gradients and their flat buffer, u1's parameters and activations freed
     assert peak_of([unit(10, 10, 10), unit(50, 200, 10)], kept, names, 0) == (10 + 10 + 400, "backward of u1")
 
-    # on a model: the step model's peak within a percent below the traces' and a tenth above (ZeRO-3 at 1 and 2
-    # ranks 0.08 % below: the rows of the norms' rsqrt and the attention's log-sum-exp the model leaves out, since it
-    # follows the traces' points, the unpack's gathered buffer beside its copies included; ZeRO-2 2.9 % above)
-    for world, strategy, low in ((2, "zero3", 0.99), (2, "zero2", 0.99), (1, "zero3", 0.99)):
+    # on a model: the step model's peak within a percent of the traces' (ZeRO-3 at 2 ranks 0.12 % below, ZeRO-2
+    # 0.13 % below, its traced peak at the loss's forward temporaries, which the model leaves out; the model follows
+    # the traces' points, the unpack's gathered buffer beside its copies included; ZeRO-2 was 2.9 % above while it
+    # held the embedding's gathered weight, which its backward does not read, through the backward)
+    for world, strategy in ((2, "zero3"), (2, "zero2"), (1, "zero3")):
         run = model_dry_run(world, strategy)
         predicted, traced = run.predict_step().peak_bytes, run.explanation.memory.peak
-        assert low * traced <= predicted <= 1.1 * traced, (world, strategy, human_bytes(predicted), human_bytes(traced))
+        assert 0.99 * traced <= predicted <= 1.01 * traced, (world, strategy, human_bytes(predicted),
+                                                               human_bytes(traced))
     logits = explain_cases.CONFIG["local_batch"] * explain_cases.CONFIG["seq"] * explain_cases.CONFIG["vocab"] * 4
     assert run.fsdp.compiled_step.plan.summary.pieces[-1].largest_result_bytes == logits  # the lm_head's
 

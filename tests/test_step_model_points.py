@@ -139,3 +139,58 @@ def test_over_one_rank_gathers_are_not_prefetched_and_the_unpack_holds_the_buffe
     assert peak_of(one_rank, resharded, names, 0) == (10 + 40 + 2, "backward of u1")
     copies = [replace(u, copies_out=True) for u in one_rank]
     assert peak_of(copies, resharded, names, 0) == (10 + 2 * 40 + 2, "backward of u1")
+
+
+def test_a_kept_unit_whose_backward_reads_no_parameter_is_not_held_through_the_backward():
+    """ZeRO-2 keeps a unit gathered for its backward, but where that backward reads none of its parameters (an
+    embedding's gradient reads its indices only) the forward saves nothing of it: the gathered buffer is freed
+    after the forward's last read, as a resharded unit's. The explain model (vocab 256, d 64, world 2, ZeRO-2):
+    the traces' backward starts with the layers' and the head's gathered parameters and not the embedding's 64 KiB,
+    which the model counted through the whole backward (its peak 2.9 % above the traces)."""
+    from dataclasses import replace
+
+    names = ["u0", "u1"]
+    units = [replace(_unit(30, 10, 10), reads_params=False), replace(_unit(10, 10, 10), tail_working=100)]
+    at = "the loss's backward, before u1's"
+    # every activation (20), u1's parameters (10), the loss's working set (100): u0's 30 freed in the forward
+    for reshard_u0 in (False, True):
+        assert peak_of(units, Candidate((0, 1), (reshard_u0, False)), names, 0) == (20 + 10 + 100, at)
+
+
+def test_what_the_loss_inside_the_model_freed_is_not_freed_again_by_the_last_units_backward():
+    """The results a loss inside the model keeps (the logits a mean of squares reads again, a cross-entropy's
+    log-probabilities) are the last unit's activations; the loss's backward, which runs first, frees them, and the
+    last unit's own backward frees the rest. Freed twice, the activations the model counted went below what the
+    traces hold: a two-layer model with a mean of squared logits (world 2) predicted 6208 B at its first layer's
+    backward end, where the traces hold 7456 B (its gradients and their flat buffer beside the two reduce-scatters
+    in flight)."""
+    from dataclasses import replace
+
+    names = ["u0", "u1"]
+    units = [_unit(0, 10, 20), replace(_unit(0, 10, 30), tail_working=4, tail_activations=30)]
+    resharded = Candidate((0, 1), (True, True), prefetch=0)
+    # the loss's backward: every activation (50) and its working set (4)
+    assert peak_of(units, resharded, names, 0) == (20 + 30 + 4, "the loss's backward, before u1's")
+    # u0's backward end: u1's reduce-scatter buffer in flight (10), u0's activations freed by its ops, its gradients
+    # and their flat buffer (40 + 40)
+    bigger_grads = [replace(units[0], grads=40), units[1]]
+    assert peak_of(bigger_grads, resharded, names, 0) == (10 + 40 + 40, "backward of u0")
+    # u0's backward start with u1's 30 of activations counted once: its own 20, u1's buffer in flight (10)
+    wider = [replace(units[0], working=50), units[1]]
+    assert peak_of(wider, resharded, names, 0) == (10 + 20 + 50, "backward of u0")
+
+
+def test_an_op_that_keeps_its_own_output_is_charged_it_once():
+    """Thunder's autodiff traces an op with a gradient rule of its own again, under new names (a tanh's output t0 is
+    t1 there): read by name, the tanh's kept output was taken for a tensor made inside it, and counted again where
+    the next linear keeps the same tensor as its input (512 B a layer of the two-layer model above)."""
+    import torch
+    from torch import nn
+
+    from fsdp_pass.functional import functional_trace
+    from fsdp_pass.plan.saved_tensors import saved_by_op
+
+    _, trace = functional_trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.randn(2, 4))
+    (tanh,) = [b for b in trace.bound_symbols if b.sym.name == "tanh"]
+    saved = saved_by_op(tanh, lambda p: True)
+    assert (saved.inputs, saved.outputs, saved.inside_bytes) == ((), (0,), 0)

@@ -15,8 +15,9 @@ measured 147,800 B against a 122,544 B budget, issue 39). So each op is asked of
    a fused attention keeps a log-sum-exp, not its scores); what the forward returns for the backward is what
    the step keeps of this op.
 3. Each kept tensor, a view or a shallow copy taken as the tensor it shares memory with (a broadcast norm weight is its own bytes, not the
-   activation's), is one of the op's tensor arguments (by position), one of its outputs (by position), or made
-   inside the op (its bytes).
+   activation's), is one of the op's tensor arguments (by position), one of its outputs (by position, as the
+   differentiated forward returns them: an op with a gradient rule of its own is traced again there under new
+   names), or made inside the op (its bytes).
 
 Answers are cached by the op's symbol, its tensor arguments' shapes and dtypes, which of them need a gradient, its other
 arguments and the executors: the layers of a model repeat, so a 32-layer model asks about each op once. An op
@@ -102,8 +103,9 @@ def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors):
         forward, _ = split_into_forward_and_backward(grad_transform_on_trace(trace))
     (ret,) = [b for b in forward.bound_symbols if is_return(b)]
     kept, _ = tree_flatten(ret.args[1])
-    (own_ret,) = [b for b in trace.bound_symbols if is_return(b)]
-    outs, _ = tree_flatten(own_ret.args[0]["output"])
+    # the outputs as the differentiated forward names them: an op with a gradient rule of its own is traced again
+    # under a new name there (a tanh keeps its output as t1, which the op alone returned as t0)
+    outs, _ = tree_flatten(ret.args[0]["output"])
     viewed: dict[str, TensorProxy] = {}  # a view's name -> the tensor whose memory it shares
     converts: dict[str, str] = {}  # a dtype conversion's (or a view of one's) name -> the tensor it converts
     for b in forward.bound_symbols:
@@ -124,7 +126,7 @@ def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors):
     kept = [viewed.get(t.name, t) for t in kept if isinstance(t, TensorProxy)]
     arg_names = [p.name for p in trace.args]
     converted = {t.name: converts[t.name] for t in kept if converts.get(t.name) in arg_names}
-    return arg_names, [o.name for o in outs if isinstance(o, TensorProxy)], kept, converted
+    return arg_names, [viewed.get(o.name, o).name for o in outs if isinstance(o, TensorProxy)], kept, converted
 
 
 def saved_by_op(bsym, needs_grad) -> Saved | None:

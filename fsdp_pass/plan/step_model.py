@@ -43,7 +43,9 @@ Memory, per rank, at each unit's unpack, at the end of its forward and at both e
 - between steps: the shards and the optimizer states (neither with offload);
 - gradient shards: each unit's from its reduce-scatter in the backward until the optimizer has stepped (torch's
   ``zero_grad()`` frees them; none on the device with offload), so all of them at the optimizer's step;
-- gathered units: those kept for the backward (not resharded) since their forward, the unit computing, and
+- gathered units: those kept for the backward (not resharded) since their forward, where their backward reads
+  their parameters (``UnitCost.reads_params``: an embedding's reads its indices only, so the forward saves none of
+  its gathered parameters and frees them after their last read, kept or resharded), the unit computing, and
   the gathers issued and not yet used (none over a group of one rank, where the schedule packs each gather's buffer
   right before its use: it moves nothing); a unit of several parameters twice at its unpack, which copies them out
   of the gathered buffer, freed once the unpack has run (the next gather, issued after this one's wait, not yet);
@@ -59,7 +61,8 @@ Memory, per rank, at each unit's unpack, at the end of its forward and at both e
   its backward first, on the same bytes, with the gradient one of its ops receives and the one it makes (each as
   large as the loss's largest result) in place of the caller's loss, and no backward gather issued yet (the schedule
   issues the first right before the first op that computes with gathered parameters); what the loss kept (its
-  log-probabilities) is freed before the last unit's own backward;
+  log-probabilities, the logits a mean of squares reads again: the last unit's activations) is freed there, before
+  the last unit's own backward, which frees the rest of them;
 - in the backward, the buffers of the two reduce-scatters still in flight (none over a group of one rank, where a
   reduce-scatter returns its input, the gradient shard counted above), the gathers issued and not yet used,
   and the larger of the unit's two ends: its start (its gathered parameters, its activations, the gradient it
@@ -261,7 +264,7 @@ def peak_of(
             point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
         acts += units[i].activations
         point(persistent + kept + units[i].gathered + f_unused[i + 1] + acts, f"forward of {names[i]}")
-        if not candidate.reshard[i]:
+        if not candidate.reshard[i] and units[i].reads_params:  # else freed after its forward's last read
             kept += units[i].gathered
     # the caller's loss, before the backward trace: its bytes beside the outputs' gradients, the kept units (the last
     # one too where kept) and every activation, no backward gather issued yet
@@ -282,13 +285,13 @@ def peak_of(
     for j in range(k - 1, -1, -1):
         gathered = units[j].gathered  # kept since its forward, or gathered again
         again = False
-        if not candidate.reshard[j]:
+        if not units[j].reads_params:  # kept or resharded, freed after its forward's last read
+            gathered = 0
+        elif not candidate.reshard[j]:
             kept -= units[j].gathered
-        elif units[j].reads_params:
+        else:
             latest_wait += 1
             again = True
-        else:
-            gathered = 0
         ahead = b_unused[latest_wait + 1]
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT] if not u.reduced_in_place)
         common = persistent + reduced + kept + in_flight
@@ -301,7 +304,9 @@ def peak_of(
         # packed for the reduce-scatter, its activations freed (the ops that make the gradients read them for the last
         # time) and the gradient it hands on to the unit before it
         start = gathered + acts + units[j].recomputed + units[j].working + (output_grad if j == k - 1 else 0)
-        acts -= units[j].activations - sum(b for _, b in units[j].freed_later) + freed_at.get(j, 0)
+        # (less what the loss's backward freed before it: the last unit's results the loss kept, its logits)
+        acts -= (units[j].activations - units[j].tail_activations - sum(b for _, b in units[j].freed_later)
+                 + freed_at.get(j, 0))
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
         handed_on = units[j - 1].received if j else 0
         point(common + ahead + max(start, acts + made + units[j].grads + handed_on), f"backward of {names[j]}")
