@@ -146,8 +146,9 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
         gather_ops_s = (cost.compute_seconds(0, sum(len(p.params) for p in ps), 0) if views else
                         cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)))
         gathered = 0 if views else gathered
-        # at every world size, one rank included: the traces gather and reduce-scatter there too (each a copy,
-        # the link costing nothing), and pack and unpack around them
+        # at every world size, one rank included, the traces reduce-scatter (over one rank it returns its input) with
+        # pack and unpack around it; they gather there too, pack, copy and unpack, except where the gather is the
+        # shards' views (``views`` above)
         reduces = 1 + int(summary.replicas > 1)  # a reduce-scatter, HSDP's all-reduce
         out.append(
             UnitCost(

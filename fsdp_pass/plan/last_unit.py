@@ -48,6 +48,7 @@ class LastUnit:
 
     @property
     def reshards(self) -> bool:
+        """Resharding lowers the predicted step peak by more than the model's error."""
         return not self.ties
 
     def flags(self, k: int) -> tuple[bool, ...]:
@@ -85,8 +86,8 @@ def last_unit(summary: StepSummary, template: Candidate, names: list[str] | None
 
 
 def zero3_reshards(summary: StepSummary, template: Candidate) -> tuple[bool, ...]:
-    """ZeRO-3's resharding of ``template``'s units: every unit, the last one where the step model predicts a lower
-    step peak for it (:func:`last_unit`)."""
+    """ZeRO-3's resharding of ``template``'s units: every unit, the last one where the step model predicts a step
+    peak lower by more than its error (``TIE``) for it (:func:`last_unit`)."""
     k = len(template.starts)
     return last_unit(summary, template).flags(k) if k else ()
 
