@@ -125,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--cost", default="probe", choices=["probe", *sorted(DEFAULTS)],
                    help="what the step model prices our rows with: a probe of these ranks, or a default set")
     p.add_argument("--only", default=None, help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--kernels", type=int, default=0,
+                   help="also write the profiled forward + backward's N costliest kernels (device time) and its "
+                        "forward and backward times to OUT.kernels.txt, per row (with --out)")
     p.add_argument("--out", default=None,
                    help="also write the table to this file, and the explain() and step model of each row of "
                         "ours to OUT.plans.txt")
@@ -186,8 +189,9 @@ def _step(trainer, workload, batch):
     return loss.detach()
 
 
-def _profiled_forward_backward(trainer, workload, batch, device) -> dict:
-    """One forward + backward under the profiler (CUDA) and with the peak reset: kernel overlap, peak."""
+def _profiled_forward_backward(trainer, workload, batch, device, kernels: int = 0) -> dict:
+    """One forward + backward under the profiler (CUDA) and with the peak reset: kernel overlap, peak; with
+    ``kernels``, the forward's and backward's times (synchronized) and the costliest kernels (``kernels_text``)."""
     out = {}
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -195,10 +199,20 @@ def _profiled_forward_backward(trainer, workload, batch, device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
         loss = trainer.loss(workload, batch)
+        if kernels:
+            _sync(device)
+        t1 = time.perf_counter()
         loss.backward()
         trainer.after_backward()
         _sync(device)
+        t2 = time.perf_counter()
+    if kernels:
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        out["kernels_text"] = (f"forward {1e3 * (t1 - t0):.1f} ms, backward {1e3 * (t2 - t1):.1f} ms (under the "
+                               f"profiler, synchronized)\n"
+                               + prof.key_averages().table(sort_by=sort, row_limit=kernels, max_name_column_width=90))
     if device.type == "cuda":
         out["fwd_bwd_peak"] = torch.cuda.max_memory_allocated(device)
         out["fwd_bwd_above"] = out["fwd_bwd_peak"] - before
@@ -235,7 +249,7 @@ def measure(name: str, args, device, costs: Costs) -> dict:
         res["peak"] = torch.cuda.max_memory_allocated(device)
     else:
         res["peak"] = allocated_during(lambda: _step(trainer, workload, batches[-1]), device).peak_bytes
-    res.update(_profiled_forward_backward(trainer, workload, batches[-1], device))
+    res.update(_profiled_forward_backward(trainer, workload, batches[-1], device, args.kernels))
     res.update(trainer.predicted())
     return res
 
@@ -316,6 +330,10 @@ def rank_main(rank: int, world: int, port: int, args) -> None:
             traceback.print_exc()
             results.append({"name": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
         report = results[-1].pop("report", None)
+        kernels = results[-1].pop("kernels_text", None)
+        if rank == 0 and kernels and args.out:
+            with open(f"{args.out}.kernels.txt", "a") as f:
+                f.write(f"=== {name}\n{kernels}\n")
         if rank == 0:
             print(f"[bench.gpu] {results[-1]}", file=sys.stderr, flush=True)
             if report and args.out:  # the row's plan: explain() and the step model's prediction

@@ -16,6 +16,8 @@
 #   world2   issue 42 item 4 at world 2: two gloo ranks on the one GPU, bfloat16 against int8 gathers (gloo
 #            copies through the host: bytes and losses hold, times say little)
 #   tests    tier 3: tests/test_cuda.py
+# Environment: <STAGE>_S each stage's time limit in seconds; RECIPE_ONLY the recipe's rows (bench.gpu --only);
+# RECIPE_ZOO=0 skips the zoo's fallback.
 # Each stage writes OUT/<stage>.txt (bench.gpu's table, or pytest's output) and OUT/<stage>.log (everything).
 set -uo pipefail
 OUT=${OUT:-gpu-out}
@@ -46,8 +48,9 @@ for s in "$@"; do
   case "$s" in
     recipe)  bench recipe "${RECIPE_S:-330}" --world 1 --model hf:bench/configs/llama-1b --recipe --seq 2048 \
                --batch 2 --steps 5 --warmup 2 \
-               --only "fsdp2,fsdp2+compile,ours zero3 default,ours zero3 int8,ours zero2 default"
-             if ! grep -q '^ours zero3 default  *[0-9]' "$OUT/recipe.txt" 2>/dev/null; then  # HF failed: the zoo's
+               --only "${RECIPE_ONLY:-fsdp2,fsdp2+compile,ours zero3 default,ours zero3 int8,ours zero2 default}"
+             if [ "${RECIPE_ZOO:-1}" = 1 ] && ! grep -q '^ours zero3 default  *[0-9]' "$OUT/recipe.txt" 2>/dev/null; then
+               # HF failed: the zoo's
                bench recipe-zoo "${RECIPE_S:-330}" --world 1 --layers 22 --d 2048 --heads 32 --hidden 5632 \
                  --vocab 32000 --recipe --seq 2048 --batch 2 --steps 5 --warmup 2 \
                  --only "fsdp2,fsdp2+compile,ours zero3 default,ours zero3 int8,ours zero2 default"

@@ -19,8 +19,9 @@ methods) for the collector's ``set``, ``get`` and ``reset``, so the interpreter 
    the config) raises :class:`~fsdp_pass.errors.FSDPError`: the recorded tensors would reach the model's output
    only through that global, which Thunder does not follow (they fail its prologue's checks).
 
-``FSDP`` applies it to every module it is given (``FSDP.transform_module``); a plain ``thunder.jit`` takes it by
-hand, ``jm = trace_output_capture(thunder.jit(model))``. With transformers 4 (no ``output_capturing`` module) or no
+``FSDP`` applies it to every module it is given (``FSDP.transform_module``, through
+:func:`~fsdp_pass.models.hf_tracing.trace_hf_models` with the causal-mask lookasides); a plain ``thunder.jit`` takes
+them by hand, ``jm = trace_hf_models(thunder.jit(model))``. With transformers 4 (no ``output_capturing`` module) or no
 transformers imported it adds nothing: those models keep their outputs in Python lists that Thunder traces.
 """
 
