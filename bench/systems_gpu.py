@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from bench.precision import Precision
 from fsdp_pass.api import fsdp_of
 from fsdp_pass.errors import FSDPError
-from fsdp_pass.models.hf_output_capture import trace_output_capture
+from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.transform import FSDP
 
@@ -150,7 +150,7 @@ def build_system(name: str, model, device, executors: list, costs, setup: Setup)
     if name == "thunder":
         trainer = AllReduceTrainer if dist.get_world_size() > 1 else Trainer
         # transformers 5's HF models need the lookasides FSDP adds to its own rows (models/hf_output_capture.py)
-        return trainer(trace_output_capture(thunder.jit(model, executors=executors)), autocast=autocast)
+        return trainer(trace_hf_models(thunder.jit(model, executors=executors)), autocast=autocast)
     if name in ("ours auto", "ours auto probed"):
         cost = costs.probed() if name.endswith("probed") else None  # None: the device's defaults
         jitted = thunder.jit(model, transforms=[_ours("auto", setup, cost=cost)], executors=executors)

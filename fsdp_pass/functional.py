@@ -32,7 +32,7 @@ from thunder.executors.passes import del_last_used
 from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
 from fsdp_pass.errors import check, fail
-from fsdp_pass.models.hf_output_capture import trace_output_capture
+from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision, resolve_mixed_precision, traced_dtype
@@ -66,7 +66,7 @@ def functional_trace(model, *args, mixed_precision=None, **kwargs):
         model = _with_parameters_traced_as(model, precision)
     args, kwargs = inputs_of_step(args, kwargs, precision)
     keep = _KeepTraces()
-    jm = trace_output_capture(thunder.jit(model, transforms=[keep]))  # as FSDP: transformers 5's models
+    jm = trace_hf_models(thunder.jit(model, transforms=[keep]))  # as FSDP: transformers 5's models
     thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     return keep.traces
 

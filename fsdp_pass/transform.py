@@ -26,7 +26,7 @@ from thunder.extend import get_executor
 
 from fsdp_pass.compiled_step import CompiledStep
 from fsdp_pass.errors import check
-from fsdp_pass.models.hf_output_capture import trace_output_capture
+from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.op_names import COMM_EXECUTOR
 from fsdp_pass.ops.grad_accumulation import GradAccumulators
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
@@ -199,7 +199,7 @@ class FSDP(Transform):
         groups = check_process_group(self.process_group, self.mesh)
         check_not_sharded_yet(model)
         ensure_comm_executor(model)
-        trace_output_capture(model)  # transformers 5's @capture_outputs (models/hf_output_capture.py)
+        trace_hf_models(model)  # transformers 5: output capture, causal mask (models/hf_tracing.py)
         restore_from_shards(model)  # jitted again: start from the weights an earlier FSDP jit holds
         self.model = shard_module(
             model,

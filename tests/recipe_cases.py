@@ -26,7 +26,7 @@ from fsdp_pass_executors import executors_for
 import fsdp_pass
 from bench.recipe_parity import BF16, VOCAB, build_hf, fully_sharded
 from fsdp_pass import FSDP, MixedPrecision
-from fsdp_pass.models.hf_output_capture import trace_output_capture
+from fsdp_pass.models.hf_tracing import trace_hf_models
 
 SEQ, PER_RANK = 32, 2
 RECIPE = MixedPrecision(BF16, reduce_dtype=torch.float32)
@@ -100,7 +100,7 @@ class _OneProcess:
         self.low = copy.deepcopy(model)
         for p in self.low.parameters():
             p.data = p.data.to(BF16)
-        self.jitted = trace_output_capture(thunder.jit(self.low, executors=executors_for("cpu")))  # transformers 5
+        self.jitted = trace_hf_models(thunder.jit(self.low, executors=executors_for("cpu")))  # transformers 5
         self.opt = torch.optim.AdamW(self.master.parameters(), lr=1e-3)
 
     def step(self, batches) -> float:

@@ -3,7 +3,8 @@
 The CI runs transformers 4, which has no output capture: the tests that need none use
 ``tests/capture_stand_in.py``, the same mechanism on a two-layer model, put where transformers 5 keeps it
 (``sys.modules``), and one jit each (about 1 s). The last test trains the tiny Hugging Face Llama of
-``tests/fixtures/hf_tiny_llama`` and runs only where transformers 5 is installed (about 60 s there).
+``tests/fixtures/hf_tiny_llama`` and runs only where transformers 5 is installed (about 60 s there); it checks too
+that its attention is causal with no mask (:mod:`fsdp_pass.models.hf_causal_mask`).
 """
 
 import contextlib
@@ -23,6 +24,7 @@ from fsdp_pass.models.hf_output_capture import CAPTURE_MODULE, capture_lookaside
 from tests import capture_stand_in
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny_llama"
+SDPA = "torch.nn.functional.scaled_dot_product_attention"
 ASKS_FOR_OUTPUTS = "(?s)asked to return its hidden_states.*What to do: Leave output_hidden_states"
 
 
@@ -122,5 +124,7 @@ def test_hugging_face_llama_with_transformers_5_trains_as_eager():
     with one_rank():
         jm = thunder.jit(model, transforms=[FSDP("zero3")], executors=executors_for("cpu"))
         assert sgd_steps(jm, lambda x: jm(input_ids=x, labels=x).loss, batches) == pytest.approx(expected, rel=1e-5)
+        attention = [b for b in thunder.last_traces(jm)[0].bound_symbols if b.sym.id == SDPA]
+        assert len(attention) == 2 and all(b.args[3] is None and b.args[5] for b in attention)  # hf_causal_mask
         with pytest.raises(FSDPError, match=ASKS_FOR_OUTPUTS):
             jm(input_ids=batches[0], labels=batches[0], output_hidden_states=True)
