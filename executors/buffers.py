@@ -14,6 +14,7 @@ In a printed execution trace they read ``fsdp_pack_shards``, ``fsdp_unpack_gathe
   ``split_with_sizes_copy`` (one kernel on CUDA); padding rows are dropped as a view of a prefix. Only a
   one-parameter unit copies nothing (its parameter is a view of the buffer); a unit of several parameters is
   copied out at every world size, world size 1 included (:func:`fsdp_pass.ops.flat_buffers.unpack_is_view`).
+- Over one rank a unit's gather is ``fsdp_view_shards``: each shard viewed in its parameter's shape.
 - Packing gradients lays each out as (world size, shard elements) column blocks of one buffer in the reduce
   dtype: one ``cat`` into it (casting on the way) when no parameter has padding rows, else a copy per
   parameter with its padding rows zeroed. Unpacking the reduced shard divides it in place (by the number of
@@ -32,7 +33,7 @@ import torch
 from fsdp_pass_executors.collectives import GATHERED_BUFFER, comm_ex, communication_stream
 from thunder.core.dtypes import to_torch_dtype
 
-from fsdp_pass.op_names import PACK_GRADS_OP, PACK_SHARDS_OP, UNPACK_GATHERED_OP, UNPACK_GRAD_SHARD_OP
+from fsdp_pass.op_names import PACK_GRADS_OP, PACK_SHARDS_OP, UNPACK_GATHERED_OP, UNPACK_GRAD_SHARD_OP, VIEW_SHARDS_OP
 from fsdp_pass.ops import flat_buffers as fb
 
 
@@ -80,6 +81,10 @@ def unpack_gathered_impl(gathered: torch.Tensor, unit: str, full_shapes, world_s
     outs = [torch.empty(world_size, n, dtype=gathered.dtype, device=gathered.device) for n in buf.shard_numels]
     torch.split_with_sizes_copy(gathered.view(world_size, buf.rank_numel), buf.shard_numels, dim=1, out=outs)
     return tuple(_unpadded(o, lay) for o, lay in zip(outs, buf.layouts))
+
+
+def view_shards_impl(shards, unit: str, full_shapes):
+    return tuple(s.view(shape) for s, shape in zip(shards, full_shapes))
 
 
 def _unpadded(padded: torch.Tensor, lay) -> torch.Tensor:
@@ -131,6 +136,7 @@ def unpack_grad_shard_impl(local: torch.Tensor, unit: str, shard_shapes, ranks: 
 for _prim, _name, _impl in (
     (fb.pack_shards, PACK_SHARDS_OP, pack_shards_impl),
     (fb.unpack_gathered, UNPACK_GATHERED_OP, unpack_gathered_impl),
+    (fb.view_shards, VIEW_SHARDS_OP, view_shards_impl),
     (fb.pack_grads, PACK_GRADS_OP, pack_grads_impl),
     (fb.unpack_grad_shard, UNPACK_GRAD_SHARD_OP, unpack_grad_shard_impl),
 ):

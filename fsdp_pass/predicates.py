@@ -6,6 +6,7 @@ names its executor and Thunder's torch executor give the lowered collectives).
 
 from __future__ import annotations
 
+import thunder.torch as ltorch
 from thunder.core import dtypes, prims
 from thunder.core.proxies import TensorProxy
 from thunder.distributed.prims import PrimIDs as DistIDs
@@ -41,6 +42,8 @@ from fsdp_pass.op_names import (
     UNPACK_GRAD_SHARD,
     UNPACK_GRAD_SHARD_OP,
     UNSHARD_UNIT,
+    VIEW_SHARDS,
+    VIEW_SHARDS_OP,
     WAIT_OP,
     CollectiveKind,
 )
@@ -100,19 +103,24 @@ def is_unshard_unit(bsym) -> bool:
 # the ops around a unit's collectives (fsdp_pass.ops.flat_buffers, grad_accumulation), before and after lowering
 _PACK_SHARDS = (PACK_SHARDS, PACK_SHARDS_OP)
 _UNPACK_GATHERED = (UNPACK_GATHERED, UNPACK_GATHERED_OP)
+_VIEW_SHARDS = (VIEW_SHARDS, VIEW_SHARDS_OP)  # a gather over one rank: fsdp_pass.ops.unshard.gathers_nothing
 _PACK_GRADS = (PACK_GRADS, PACK_GRADS_OP)
 _UNPACK_GRAD_SHARD = (UNPACK_GRAD_SHARD, UNPACK_GRAD_SHARD_OP)
 _ACCUMULATION = (ACCUMULATE_UNSHARDED_GRADS, ACCUMULATE_OP, ADD_ACCUMULATED_GRADS, ADD_ACCUMULATED_OP)
 _QUANTIZE_SHARD = (QUANTIZE_SHARD, QUANTIZE_SHARD_OP)  # MixedPrecision(gather_dtype=...): fsdp_pass.ops.quantized_gather
 _DEQUANTIZE_GATHERED = (DEQUANTIZE_GATHERED, DEQUANTIZE_GATHERED_OP)
 _BUFFER_OPS = frozenset(
-    _PACK_SHARDS + _UNPACK_GATHERED + _PACK_GRADS + _UNPACK_GRAD_SHARD + _QUANTIZE_SHARD + _DEQUANTIZE_GATHERED
+    _PACK_SHARDS + _UNPACK_GATHERED + _VIEW_SHARDS + _PACK_GRADS + _UNPACK_GRAD_SHARD + _QUANTIZE_SHARD + _DEQUANTIZE_GATHERED
 )
 _UNIT_OPS = _BUFFER_OPS | frozenset(_ACCUMULATION)
 
 
 def is_pack_shards(bsym) -> bool:
     return _id(bsym) in _PACK_SHARDS
+
+
+def is_view_shards(bsym) -> bool:
+    return _id(bsym) in _VIEW_SHARDS
 
 
 def is_unpack_gathered(bsym) -> bool:
@@ -246,6 +254,16 @@ _VIEW_LIKE = (
         "torch_transpose_prim_impl",
     }
 )
+
+
+# the same at the functional trace's level, where ops are Thunder's torch symbols: those that return views, and
+# reshapes and flattens (views of what is contiguous)
+_TORCH_VIEWS = frozenset(s.id for s in ltorch._syms_returning_views | {ltorch.reshape, ltorch.flatten})
+
+
+def is_torch_view(bsym) -> bool:
+    """A Thunder torch symbol (the functional trace's ops) that returns a view of its input, or a reshape."""
+    return _id(bsym) in _TORCH_VIEWS
 
 
 def is_getitem(bsym) -> bool:

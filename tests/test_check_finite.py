@@ -23,6 +23,7 @@ from fsdp_pass.predicates import (
     is_pack_shards,
     is_return,
     is_unpack_grad_shard,
+    is_view_shards,
     unit_of_op,
 )
 from fsdp_pass.report.dry_run import dry_run
@@ -87,8 +88,9 @@ def test_off_no_op_on_every_unit_checked_in_execution_order():
 
 
 def test_one_rank_checks_each_units_shards_and_output_without_a_gather():
-    """At world 1 a unit's gather is its shards themselves (views: no pack to check after): each unit's shards are
-    checked after the first op that reads them, its output after the last op that reads them or a view of them."""
+    """At world 1 a unit's gather is its shards themselves (no pack, collective or copy): its one ``view_shards``
+    op, labelled with the unit, views them as the parameters; they are checked right after it, the unit's output
+    after the last op that reads them."""
     on = mlp_dry_run(True, 1)
     forward = on.forward
     assert not any(is_pack_shards(b) for b in forward.bound_symbols)
@@ -98,9 +100,11 @@ def test_one_rank_checks_each_units_shards_and_output_without_a_gather():
     shard_args = {a for a, p in on.fsdp.unit_plan.arguments if p is not None}
     for _, b, before in _checks(forward):
         tensors, _, slot = b.args
-        if checks[slot].what == PARAMETERS:  # the unit's shards, which the op before reads
-            names = {t.name for t in tensors}
-            assert names and names <= shard_args and names & {p.name for p in before.flat_proxy_args}, b
+        if checks[slot].what == PARAMETERS:  # the unit's parameters, viewed from its shards by the op before
+            assert is_view_shards(before) and before.args[1] == checks[slot].unit, before
+            assert f"[fsdp] unit {checks[slot].unit!r}: one rank:" in str(before), before
+            assert [t.name for t in tensors] == [o.name for o in before.flat_proxy_outs], b
+            assert {s.name for s in before.args[0]} <= shard_args, before
         else:
             assert before.sym.name == "linear", before
 

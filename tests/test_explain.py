@@ -13,7 +13,7 @@ from fsdp_pass import FSDP, FSDPError, explain, fake_process_group
 from fsdp_pass.__main__ import main
 from fsdp_pass.models import zoo
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
-from fsdp_pass.predicates import is_all_gather, is_pack_shards, is_reduce_scatter
+from fsdp_pass.predicates import is_all_gather, is_pack_shards, is_reduce_scatter, is_view_shards
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.memory import (
     GATHERED,
@@ -83,11 +83,17 @@ def test_one_rank_collectives_return_their_inputs_and_the_peak_stays_exact(ranks
 
 def test_one_rank_gathers_nothing():
     """Over one rank, nothing cast, a unit's gather is its shards themselves: no pack, all-gather or copy-out in
-    either trace (the parameters are reshapes of the shards), so no gathered memory either, and ZeRO-3's last unit
-    stays (keeping it holds no more than resharding it). The reduce-scatters stay (each returns its input)."""
+    either trace: one ``view_shards`` per unit and gather (its parameters are views of its shards), labelled with its
+    unit, so no gathered memory either, and ZeRO-3's last unit stays (keeping it holds no more than resharding it).
+    The reduce-scatters stay (each returns its input). explain() says so."""
     run = model_dry_run(1, "zero3")
     for trace in (run.forward, run.backward):
         assert not [b for b in trace.bound_symbols if is_all_gather(b) or is_pack_shards(b)]
+    views = [b for b in run.forward.bound_symbols if is_view_shards(b)]
+    assert [b.args[1] for b in views] == [u.name for u in run.explanation.units]
+    assert all(f"[fsdp] unit {b.args[1]!r}: one rank:" in str(b) for b in views)
+    text = str(run.explanation)
+    assert "one rank: each unit's parameters are views of its shards" in text and "its shards' views either way" in text
     assert sum(is_reduce_scatter(b) for b in run.backward.bound_symbols) == len(run.explanation.units)
     assert run.explanation.memory.step.gathered_peak().bytes == 0
     assert not run.explanation.units[-1].reshard_after_forward

@@ -1,4 +1,4 @@
-"""The four ops around a unit's collectives: how its tensors go into the one buffer a collective moves, and out.
+"""The ops around a unit's collectives: how its tensors go into the one buffer a collective moves, and out.
 
 - ``pack_shards(shards, unit, dtype, device, group)``: this rank's shards, flattened and concatenated into
   the buffer its all-gather sends; cast to ``dtype`` (mixed precision) and copied to ``device`` (offload) in
@@ -9,6 +9,9 @@
 - ``unpack_gathered(gathered, unit, full_shapes, world_size)``: the rank-major gathered buffer (all of rank
   0's part of every parameter, then rank 1's, ...) cut into the full parameters, padding rows dropped; one
   copy-out per unit (a view of the buffer for a one-parameter unit).
+- ``view_shards(shards, unit, full_shapes)``: a gather over one rank (:func:`~fsdp_pass.ops.unshard.gathers_nothing`):
+  each shard reshaped to its parameter's shape, a view; nothing packed, gathered or copied. One op per unit, so
+  the unit is named in the trace where its gather would be, and the finite checks have their anchor.
 - ``pack_grads(grads, unit, full_shapes, world_size, dtype, divide_first)``: full gradients laid out rank-major
   with zero padding rows, in the reduce ``dtype``: the buffer the reduce-scatter reads (divided first by
   ``divide_first``, the number of ranks whose gradients are summed, as float16 needs; None: not divided).
@@ -34,7 +37,7 @@ from functools import lru_cache
 from thunder.core import devices, prims
 from thunder.core.proxies import TensorProxy
 
-from fsdp_pass.op_names import PACK_GRADS, PACK_SHARDS, UNPACK_GATHERED, UNPACK_GRAD_SHARD
+from fsdp_pass.op_names import PACK_GRADS, PACK_SHARDS, UNPACK_GATHERED, UNPACK_GRAD_SHARD, VIEW_SHARDS
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.predicates import (
     collective_group,
@@ -44,6 +47,7 @@ from fsdp_pass.predicates import (
     is_reduce_scatter,
     is_unpack_gathered,
     is_unpack_grad_shard,
+    is_view_shards,
 )
 
 
@@ -85,6 +89,10 @@ def _unpack_gathered_meta(gathered, unit: str, full_shapes, world_size: int) -> 
     return tuple(TensorProxy(like=gathered, shape=tuple(s)) for s in full_shapes)
 
 
+def _view_shards_meta(shards, unit: str, full_shapes) -> tuple:
+    return tuple(TensorProxy(like=s, shape=tuple(shape)) for s, shape in zip(shards, full_shapes))
+
+
 def _pack_grads_meta(grads, unit: str, full_shapes, world_size: int, dtype, divide_first: int | None) -> TensorProxy:
     numel = world_size * sum(lay.shard_numel for lay in layouts_of(full_shapes, world_size))
     return TensorProxy(like=grads[0], shape=(numel,), dtype=dtype or grads[0].dtype)
@@ -99,6 +107,7 @@ def _unpack_grad_shard_meta(local, unit: str, shard_shapes, ranks: int, divide: 
 
 pack_shards = prims.make_prim(PACK_SHARDS, "pack_shards", meta=_pack_shards_meta)
 unpack_gathered = prims.make_prim(UNPACK_GATHERED, "unpack_gathered", meta=_unpack_gathered_meta)
+view_shards = prims.make_prim(VIEW_SHARDS, "view_shards", meta=_view_shards_meta)
 pack_grads = prims.make_prim(PACK_GRADS, "pack_grads", meta=_pack_grads_meta)
 unpack_grad_shard = prims.make_prim(UNPACK_GRAD_SHARD, "unpack_grad_shard", meta=_unpack_grad_shard_meta)
 
@@ -163,6 +172,8 @@ def views_of_inputs(bsym) -> dict[str, object]:
         return {outs[0].name: shards[0]} if _pack_is_view_op(shards, dtype, device) else {}
     if is_unpack_gathered(bsym):
         return {o.name: args[0] for o in outs} if unpack_is_view(len(outs)) else {}
+    if is_view_shards(bsym):
+        return {o.name: shard for o, shard in zip(outs, args[0])}
     if is_pack_grads(bsym):
         grads, _, full_shapes, world_size, dtype, divide_first = args
         padding_rows = layouts_of(full_shapes, world_size)[0].padding_rows

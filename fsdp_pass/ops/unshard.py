@@ -7,6 +7,7 @@ those of :mod:`fsdp_pass.ops.flat_buffers`, which no fusion executor absorbs):
      into this rank's slice of the gathered buffer it allocates whole;
   2. ``all_gather`` of that buffer (async; in place around the packed slice) and its ``wait``;
   3. ``unpack_gathered``: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
+  Over one rank (:func:`gathers_nothing`) steps 1-3 are one ``view_shards``: the parameters are views of the shards.
   Quantized (``gather_dtype``): the packed shard is quantized before the all-gather and dequantized after it
   (:mod:`fsdp_pass.ops.quantized_gather`); the gradient rule below is the same, so the gradients of the
   dequantized parameters reach the shards unchanged (straight-through).
@@ -34,14 +35,13 @@ saving the gathered parameters.
 from __future__ import annotations
 
 import thunder.torch as ltorch
-from thunder.core import prims
 from thunder.core import dtypes
 from thunder.core.symbol import Symbol
 from thunder.core.transforms import get_grad, put_grad, register_grad
 from thunder.distributed import prims as dist_prims
 
 from fsdp_pass.op_names import UNSHARD_UNIT
-from fsdp_pass.ops.flat_buffers import pack_grads, pack_shards, unpack_grad_shard, unpack_gathered
+from fsdp_pass.ops.flat_buffers import pack_grads, pack_shards, unpack_grad_shard, unpack_gathered, view_shards
 from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
 from fsdp_pass.ops.quantized_gather import gather_quantized
 
@@ -55,7 +55,7 @@ def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_dev
         return gather_quantized(shards, group, unit_name, shapes, param_dtype, compute_device, gather_dtype, gather_block)
     cast = param_dtype if param_dtype is not None and param_dtype != shards[0].dtype else None
     if gathers_nothing(group.size(), cast is not None, compute_device is not None):
-        return tuple(prims.reshape(s, tuple(shape)) for s, shape in zip(shards, full_shapes))
+        return view_shards(shards, unit_name, tuple(tuple(s) for s in full_shapes))
     flat = pack_shards(shards, unit_name, cast, compute_device, group)
     gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
     return unpack_gathered(gathered, unit_name, tuple(tuple(s) for s in full_shapes), group.size())

@@ -10,8 +10,8 @@ region: the checks read only tensors that the final trace holds at top level, un
    them all and says which rank's shard holds the NaN); after the last op that reads its gathered parameters (or a
    view of them), a check of that op's results (its output). ZeRO-3's second gather, in the backward, is not
    checked again. A unit whose gather is its shards themselves (one rank:
-   :func:`~fsdp_pass.ops.unshard.gathers_nothing`, views, no pack) has its shards checked after the first op that
-   reads them, and its output after the last op that reads them or a view of them.
+   :func:`~fsdp_pass.ops.unshard.gathers_nothing`) has its ``view_shards`` in place of both ops: its parameters,
+   views of the shards, are checked right after it, and its output after the last op that reads them.
 2. Backward, per unit: after ``pack_grads``, this rank's gradient before the reduce-scatter; after
    ``unpack_grad_shard``, the reduced gradient shards.
 3. ``clear_finite_flags`` first in the forward (after the inputs are named); ``raise_if_nonfinite`` right before the
@@ -52,6 +52,7 @@ from fsdp_pass.predicates import (
     is_unpack_gathered,
     is_unpack_grad_shard,
     is_view_like,
+    is_view_shards,
     unit_of_op,
 )
 
@@ -75,42 +76,20 @@ def _last_reader(bsyms, start: int, names: set[str]) -> int | None:
     return last
 
 
-def _viewed_units(bsyms, plan: UnitPlan, units: frozenset[str]) -> list[tuple[int, str, str, list]]:
-    """The forward's checks of the units gathered as their shards' views (no ``pack_shards``: one rank): their
-    shards after the first op that reads one, their output after the last op that reads them or a view of them."""
-    packed = {unit_of_op(b) for b in bsyms if is_unit_op(b) and is_pack_shards(b)}
-    found = []
-    for unit in plan.units:
-        if unit.name not in units or unit.name in packed:
-            continue
-        names = {arg for arg, param in plan.arguments if param in unit.params}
-        readers = [i for i, b in enumerate(bsyms)
-                   if not (is_bookkeeping(b) or is_return(b)) and any(p.name in names for p in b.flat_proxy_args)]
-        if not readers:
-            continue
-        shards = list({p.name: p for i in readers for p in bsyms[i].flat_proxy_args
-                       if isinstance(p, TensorProxy) and p.name in names}.values())
-        found.append((readers[0], unit.name, PARAMETERS, shards))
-        last = _last_reader(bsyms, readers[0] - 1, names)
-        if last is not None and _tensors(bsyms[last]):
-            found.append((last, unit.name, OUTPUT, _tensors(bsyms[last])))
-    return found
-
-
 def _planned_checks(bsyms, phase: str, units: frozenset[str], plan: UnitPlan) -> list[tuple[int, str, str, list]]:
     """``(index of the op the check follows, unit, what, tensors)`` for every check of ``phase``, in trace order."""
-    found = _viewed_units(bsyms, plan, units) if phase == "forward" else []
+    found = []
     for i, b in enumerate(bsyms):
         unit = unit_of_op(b) if is_unit_op(b) else None
         if unit not in units:
             continue
-        if phase == "forward" and is_pack_shards(b):
+        if phase == "forward" and (is_pack_shards(b) or is_view_shards(b)):
             found.append((i, unit, PARAMETERS, _tensors(b)))
-        elif phase == "forward" and is_unpack_gathered(b):
+        if phase == "forward" and (is_unpack_gathered(b) or is_view_shards(b)):
             last = _last_reader(bsyms, i, {p.name for p in _tensors(b)})
             if last is not None and _tensors(bsyms[last]):
                 found.append((last, unit, OUTPUT, _tensors(bsyms[last])))
-        elif phase == "backward" and is_pack_grads(b):
+        if phase == "backward" and is_pack_grads(b):
             found.append((i, unit, GRADIENT, _tensors(b)))
         elif phase == "backward" and is_unpack_grad_shard(b):
             found.append((i, unit, GRADIENT_SHARD, _tensors(b)))

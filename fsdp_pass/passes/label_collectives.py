@@ -12,8 +12,8 @@ back on the final forward and backward traces, read off the ops themselves (neve
    replicate group (8 ranks)``);
 2. each pack, unpack and accumulation op: what it does for its unit (the unit's name is the op's second
    argument): packing the shards (and casting, copying them), quantizing them and dequantizing what was
-   gathered (``MixedPrecision(gather_dtype=...)``: dtypes and bytes), cutting the parameters out, packing the
-   gradients (casting, dividing first in float16), dividing, casting and copying the reduced shard back.
+   gathered (``MixedPrecision(gather_dtype=...)``: dtypes and bytes), cutting the parameters out (over one rank:
+   viewing the shards as the parameters, the gather that gathers nothing), packing the gradients (casting, dividing first in float16), dividing, casting and copying the reduced shard back.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from fsdp_pass.predicates import (
     is_unit_op,
     is_unpack_gathered,
     is_unpack_grad_shard,
+    is_view_shards,
     is_wait,
     unit_of_op,
 )
@@ -77,6 +78,11 @@ def _unpack_gathered(args, unit, world_size) -> list[str]:
     if len(unit.params) == 1:
         return [f"{unit.params[0]} is a view of the gathered buffer"]
     return [f"cut out {', '.join(unit.params)} (one copy out of the gathered buffer, padding rows dropped)"]
+
+
+def _view_shards(args, unit, world_size) -> list[str]:
+    return [f"one rank: {', '.join(unit.params)} {'is a view' if len(unit.params) == 1 else 'are views'} of "
+            "this rank's shards, which hold them whole (nothing packed, gathered or copied)"]
 
 
 def _quantize_shard(args, unit, world_size) -> list[str]:
@@ -141,6 +147,7 @@ def _unit_op_header(bsym, unit, world_size: int) -> str:
     for matches, describe in (
         (is_pack_shards, _pack_shards),
         (is_unpack_gathered, _unpack_gathered),
+        (is_view_shards, _view_shards),
         (is_quantize_shard, _quantize_shard),
         (is_dequantize_gathered, _dequantize_gathered),
         (is_pack_grads, _pack_grads),

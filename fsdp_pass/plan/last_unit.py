@@ -40,6 +40,7 @@ class LastUnit:
     kept_at: str
     resharded_peak: int
     resharded_at: str
+    views: bool = False  # the gathers are the shards' views (one rank): keeping saves no gather, only ops
 
     @property
     def ties(self) -> bool:
@@ -57,15 +58,16 @@ class LastUnit:
 
     def why(self) -> str:
         """The plan note's reason, with both predictions."""
+        saved = "kept (one rank: its gather is its shards' views either way)" if self.views else "kept, a gather saved"
         kept = f"{human_bytes(self.kept_peak)} ({self.kept_at})"
         resharded = f"{human_bytes(self.resharded_peak)} ({self.resharded_at})"
         if self.kept_peak == self.resharded_peak:
-            return f"the step model predicts the same step peak either way, {kept}: kept, a gather saved"
+            return f"the step model predicts the same step peak either way, {kept}: {saved}"
         if self.resharded_peak > self.kept_peak:
             return f"the step model predicts no lower step peak resharding it: {kept} kept, {resharded} resharded"
         if self.ties:
             return (f"the step model predicts about the same step peak either way (within {TIE:.0%}, its error): "
-                    f"{kept} kept, {resharded} resharded: kept, a gather saved")
+                    f"{kept} kept, {resharded} resharded: {saved}")
         return f"the step model predicts a lower step peak resharding it: {resharded} against {kept} kept"
 
 
@@ -82,7 +84,7 @@ def last_unit(summary: StepSummary, template: Candidate, names: list[str] | None
                        summary.loss_bytes)
 
     kept, resharded = peak((True,) * (k - 1) + (False,)), peak((True,) * k)
-    return LastUnit(kept[0], kept[1], resharded[0], resharded[1])
+    return LastUnit(kept[0], kept[1], resharded[0], resharded[1], summary.gathers_views)
 
 
 def zero3_reshards(summary: StepSummary, template: Candidate) -> tuple[bool, ...]:

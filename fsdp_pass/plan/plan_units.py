@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import thunder.torch as ltorch
-
 from fsdp_pass.errors import check
 from fsdp_pass.plan.checkpointing import checkpoint_level
 from fsdp_pass.plan.module_tree import ModuleTree
@@ -32,7 +30,7 @@ from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_view_like
+from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_torch_view, is_view_like
 from fsdp_pass.report.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
@@ -58,12 +56,8 @@ def _split_by_dtype(groups, sharding: ShardingPlan, notes: list[str]):
     return out
 
 
-# the functional trace's views (Thunder's torch symbols that return views, and its reshapes, views of what is contiguous)
-_VIEWS = frozenset(s.id for s in ltorch._syms_returning_views | {ltorch.reshape, ltorch.flatten})
-
-
 def _is_view(bsym) -> bool:
-    return is_view_like(bsym) or bsym.sym.id in _VIEWS
+    return is_view_like(bsym) or is_torch_view(bsym)
 
 
 def _result_bytes(bsym) -> int:

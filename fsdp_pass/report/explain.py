@@ -253,6 +253,9 @@ class Explanation:
                 + (f"  ({sent / floor:.2f}x the floor)" if floor else "")
             )
             lines.extend(self._link_lines())
+            if n == 1 and not self.stats.count(ALL_GATHER):
+                lines.append(f"  gathered      {human_bytes(0):>10}  (one rank: each unit's parameters are views of its "
+                             "shards, fsdp_view_shards in the traces; no all-gather is issued)")
         lines.append(
             f"  floor         {human_bytes(int(floor)):>10}  (each of the {human_bytes(self.param_bytes)} "
             "of parameters gathered once and reduce-scattered once"
