@@ -7,18 +7,17 @@ The CI runs transformers 4, whose Llama passes ``is_causal=True`` under Thunder 
 transformers 5 is checked in ``tests/test_hf_output_capture.py`` where transformers 5 is installed.
 """
 
-import contextlib
 import sys
 
 import pytest
 import thunder
 import torch
-import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP
 from fsdp_pass.models.hf_causal_mask import MASKING_MODULE, SDPA_MODULE, causal_mask_lookasides
 from fsdp_pass.models.hf_tracing import trace_hf_models
+from tests.one_rank import one_rank
 from tests import mask_stand_in
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
@@ -90,14 +89,6 @@ def test_is_causal_where_eager_decides_on_shapes(jitted, model, inputs, mask_kep
     torch.testing.assert_close(jitted(x, **inputs), model(x, **inputs))
     assert attention_calls(jitted) == [(mask_kept, not mask_kept)]
 
-
-@contextlib.contextmanager
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_gives_its_module_the_lookasides(transformers_5):

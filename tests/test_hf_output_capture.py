@@ -7,7 +7,6 @@ The CI runs transformers 4, which has no output capture: the tests that need non
 that its attention is causal with no mask (:mod:`fsdp_pass.models.hf_causal_mask`).
 """
 
-import contextlib
 import importlib.metadata
 import sys
 from pathlib import Path
@@ -15,12 +14,12 @@ from pathlib import Path
 import pytest
 import thunder
 import torch
-import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, FSDPError, full_state_dict
 from fsdp_pass.models import hf_output_capture
 from fsdp_pass.models.hf_output_capture import CAPTURE_MODULE, capture_lookasides, trace_output_capture
+from tests.one_rank import one_rank
 from tests import capture_stand_in
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny_llama"
@@ -33,15 +32,6 @@ def transformers_5(monkeypatch):
     """The stand-in where transformers 5's ``output_capturing`` module would be imported."""
     monkeypatch.setitem(sys.modules, CAPTURE_MODULE, capture_stand_in)
 
-
-@contextlib.contextmanager
-def one_rank():
-    """A gloo group of this process alone: FSDP's collectives run for real (fake ones would leave garbage)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def transformers_version() -> str | None:
