@@ -90,7 +90,6 @@ def test_is_causal_where_eager_decides_on_shapes(jitted, model, inputs, mask_kep
     assert attention_calls(jitted) == [(mask_kept, not mask_kept)]
 
 
-
 def test_fsdp_gives_its_module_the_lookasides(transformers_5):
     """FSDP.transform_module applies them: the sharded step's attention is causal, gradients as eager's."""
     torch.manual_seed(0)

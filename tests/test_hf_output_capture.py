@@ -33,7 +33,6 @@ def transformers_5(monkeypatch):
     monkeypatch.setitem(sys.modules, CAPTURE_MODULE, capture_stand_in)
 
 
-
 def transformers_version() -> str | None:
     """The installed transformers' version (None: not installed), without importing it (a second here)."""
     try:
