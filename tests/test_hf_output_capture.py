@@ -18,7 +18,8 @@ from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, FSDPError, full_state_dict
 from fsdp_pass.models import hf_output_capture
-from fsdp_pass.models.hf_output_capture import CAPTURE_MODULE, capture_lookasides, trace_output_capture
+from fsdp_pass.models.hf_output_capture import CAPTURE_MODULE, capture_lookasides
+from fsdp_pass.models.hf_tracing import trace_hf_models
 from tests.one_rank import one_rank
 from tests import capture_stand_in
 
@@ -89,7 +90,7 @@ def test_fsdp_trains_a_capturing_model_as_eager(transformers_5):
 def test_a_plain_jit_takes_the_lookasides_by_hand(transformers_5):
     torch.manual_seed(0)
     model, x = capture_stand_in.Recorded(), torch.randn(3, 8)
-    jm = trace_output_capture(thunder.jit(model))
+    jm = trace_hf_models(thunder.jit(model))
     torch.testing.assert_close(jm(x), model(x))
     assert len(model(x, output_hidden_states=True)[1]) == 2  # eager records, the jitted model refuses to
     with pytest.raises(FSDPError, match=ASKS_FOR_OUTPUTS):

@@ -9,7 +9,7 @@ first call fails in ``process_recorded_modifications`` with ``AssertionError: tr
 ProvenanceRecord(... '_active_collector') to object of type dict`` (Thunder 0.2.6, transformers 5.17.0; a plain
 ``thunder.jit(model)`` as much as one with FSDP).
 
-:func:`trace_output_capture` gives a jitted module lookasides (Thunder runs them instead of interpreting the
+:func:`capture_lookasides` gives a jitted module lookasides (Thunder runs them instead of interpreting the
 methods) for the collector's ``set``, ``get`` and ``reset``, so the interpreter runs no code that stores it:
 
 1. ``set`` of an empty collector (no output asked for: a training step) does nothing, ``get`` returns None and
@@ -30,20 +30,10 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-import thunder
-
 from fsdp_pass.errors import fail
 
 CAPTURE_MODULE = "transformers.utils.output_capturing"  # transformers >= 5
 CONTEXT_VAR_CLASS = "CompileableContextVar"
-
-
-def trace_output_capture(jitted):
-    """``jitted`` (what ``thunder.jit`` returned), its compiles given the lookasides of :func:`capture_lookasides`."""
-    lookasides = capture_lookasides()
-    if lookasides:
-        thunder.compile_data(jitted).executor_lookasides.update(lookasides)
-    return jitted
 
 
 def capture_lookasides(capturing: ModuleType | None = None) -> dict:

@@ -76,7 +76,7 @@ def _last_reader(bsyms, start: int, names: set[str]) -> int | None:
     return last
 
 
-def _planned_checks(bsyms, phase: str, units: frozenset[str], plan: UnitPlan) -> list[tuple[int, str, str, list]]:
+def _planned_checks(bsyms, phase: str, units: frozenset[str]) -> list[tuple[int, str, str, list]]:
     """``(index of the op the check follows, unit, what, tensors)`` for every check of ``phase``, in trace order."""
     found = []
     for i, b in enumerate(bsyms):
@@ -109,7 +109,7 @@ def _check_header(check: FiniteCheck, slot: int) -> str:
 def insert_finite_checks(trace, phase: str, plan: UnitPlan, group, key: str):
     """``group``: every rank of the model (they decide together); ``key``: the compile's key (its flags)."""
     bsyms = trace.bound_symbols
-    planned = _planned_checks(bsyms, phase, frozenset(plan.unit_named), plan)
+    planned = _planned_checks(bsyms, phase, frozenset(plan.unit_named))
     checks = [FiniteCheck(unit, what, phase) for _, unit, what, _ in planned]
     first = add_checks(key, group, checks)
     after: dict[int, list] = {}

@@ -13,7 +13,8 @@ back on the final forward and backward traces, read off the ops themselves (neve
 2. each pack, unpack and accumulation op: what it does for its unit (the unit's name is the op's second
    argument): packing the shards (and casting, copying them), quantizing them and dequantizing what was
    gathered (``MixedPrecision(gather_dtype=...)``: dtypes and bytes), cutting the parameters out (over one rank:
-   viewing the shards as the parameters, the gather that gathers nothing), packing the gradients (casting, dividing first in float16), dividing, casting and copying the reduced shard back.
+   viewing the shards as the parameters, the gather that gathers nothing), packing the gradients (casting,
+   dividing first in float16), dividing, casting and copying the reduced shard back.
 """
 
 from __future__ import annotations
