@@ -263,3 +263,29 @@ def test_extra_accepted_is_what_weights_only_loads(label):
 def test_extra_refused_is_what_weights_only_refuses_named_by_its_path(label):
     value, named = REFUSED[label]
     assert refused_part(value) == named and not _loads_without_code(value)
+
+
+def test_each_rank_gets_its_own_extra_back_and_another_world_size_needs_a_rule(ranks, tmp_path):
+    """Saved at world 2 with extras that differ by rank: each rank's own is written (extra-0000r.pt) and comes back
+    to it, bitwise; one extra for every rank is written once. At world 4 the per-rank extras are an FSDPError naming
+    the first difference, and nothing is loaded; with per_rank_extra='all' every rank gets the 2 saved extras; the
+    model and optimizer state load as saved (the manifest of this format, at another world size)."""
+    saved = ranks(2).run(checkpoint_cases.save_per_rank_extras, str(tmp_path))
+    own_files, same_files = saved[0]["files"]["own"], saved[0]["files"]["same"]
+    assert {"extra-00000.pt", "extra-00001.pt"} <= set(own_files), own_files
+    assert not any(name.startswith("extra-") for name in same_files), same_files
+    for rank, r in enumerate(saved):
+        assert same_nested(r["own_extra"], checkpoint_cases.rank_extra(rank)), (rank, r["own_extra"])
+        assert same_nested(r["same_extra"], checkpoint_cases.rank_extra(0))
+    assert same_nested(saved[0]["state_at_load"], saved[0]["state_at_save"])
+
+    elsewhere = ranks(4).run(checkpoint_cases.load_per_rank_extras_elsewhere, str(tmp_path))
+    for r in elsewhere:
+        error = r["own_error"]
+        assert "saved by 2 ranks whose extras differ (extra['data']['offset'] on rank 1 differs" in error, error
+        assert "at world size 4 no rank's extra is its own" in error and "per_rank_extra='all'" in error, error
+        assert r["loaded_nothing"]
+        assert len(r["all_extras"]) == 2
+        assert all(same_nested(r["all_extras"][i], checkpoint_cases.rank_extra(i)) for i in range(2))
+        assert same_nested(r["same_extra"], checkpoint_cases.rank_extra(0))
+    assert same_nested(elsewhere[0]["state_at_load"], saved[0]["state_at_save"])
