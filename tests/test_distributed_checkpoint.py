@@ -12,6 +12,7 @@ import torch
 
 from fsdp_pass import MixedPrecision
 from fsdp_pass.train.loop_state import refused_part
+from fsdp_pass.train.rank_extras import first_difference, value_digest
 from tests import checkpoint_cases
 
 TOL = 1e-6  # another world size sums the same gradients in another order
@@ -289,3 +290,34 @@ def test_each_rank_gets_its_own_extra_back_and_another_world_size_needs_a_rule(r
         assert all(same_nested(r["all_extras"][i], checkpoint_cases.rank_extra(i)) for i in range(2))
         assert same_nested(r["same_extra"], checkpoint_cases.rank_extra(0))
     assert same_nested(elsewhere[0]["state_at_load"], saved[0]["state_at_save"])
+
+
+def _round_trip(value):
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("label", sorted(ACCEPTED))
+def test_extras_compare_by_value_what_a_save_and_a_load_keep(label):
+    """The ranks' extras compare by value_digest: an extra and its round trip through torch.save and a
+    weights_only load are the same."""
+    value = ACCEPTED[label]
+    assert value_digest(_round_trip(value)) == value_digest(value) and first_difference(value, value) is None
+
+
+def test_the_first_difference_between_two_extras_is_named_by_its_path():
+    a = {"data": {"offset": 7, "seen": [1, 2]}, "rng": torch.zeros(4, dtype=torch.uint8), "on": {1, 2}}
+    changed = {
+        "extra['data']['offset']": {**a, "data": {"offset": 8, "seen": [1, 2]}},
+        "extra['data']['seen'][0]": {**a, "data": {"offset": 7, "seen": [True, 2]}},  # True == 1, not the same
+        "extra['rng']": {**a, "rng": torch.tensor([0, 0, 0, 1], dtype=torch.uint8)},
+        "extra['on']": {**a, "on": {1, 3}},
+        "the keys of extra": {k: v for k, v in a.items() if k != "on"} | {"off": {1, 2}},
+    }
+    for path, b in changed.items():
+        assert first_difference(a, b) == path and value_digest(a) != value_digest(b), path
+    reordered = {"on": {2, 1}, "rng": a["rng"].clone(), "data": {"seen": [1, 2], "offset": 7}}
+    assert value_digest(reordered) == value_digest(a)  # dicts and sets whatever their order
+    assert value_digest(torch.tensor(0.0)) != value_digest(torch.tensor(-0.0))  # tensors bitwise

@@ -41,8 +41,10 @@ def _canonical(value) -> bytes:
     """Bytes equal for equal accepted values (tensors bitwise), whatever the order of a dict's or a set's items."""
     kind = describe(value).encode()
     if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        return kind + repr((value.dtype, tuple(value.shape))).encode() + hashlib.sha256(data).digest()
+        dense = value.detach().cpu()
+        dense = dense if dense.layout == torch.strided else dense.to_dense()  # a sparse tensor, by its values
+        data = dense.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return kind + repr((value.dtype, value.layout, tuple(value.shape))).encode() + hashlib.sha256(data).digest()
     if isinstance(value, MAPPINGS):
         items = sorted(hashlib.sha256(_canonical(k)).digest() + hashlib.sha256(_canonical(v)).digest()
                        for k, v in value.items())
