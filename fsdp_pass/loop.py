@@ -165,8 +165,9 @@ def _resume(args, jm, opt, schedule, scaler, say) -> int:
         scaler.load_state_dict(resumed.extra["scaler"])
     world = dist.get_world_size()
     ranks = f"{world} rank{'s' if world > 1 else ''}"
-    say(f"resumed from {resumed.path} (saved by {resumed.extra['world_size']} ranks) at step {resumed.step}, "
-        f"on {ranks}")
+    saved_by = resumed.extra["world_size"]
+    say(f"resumed from {resumed.path} (saved by {saved_by} rank{'s' if saved_by > 1 else ''}) at step "
+        f"{resumed.step}, on {ranks}")
     return resumed.step
 
 

@@ -49,8 +49,9 @@ class Published:
     notes: tuple[str, ...] = ()
 
 
-def _steps(checkpoints: list[Checkpoint]) -> str:
-    return ", ".join(str(c.step) for c in sorted(checkpoints, key=lambda c: c.step))
+def _named(checkpoints: list[Checkpoint]) -> str:
+    steps = ", ".join(str(c.step) for c in sorted(checkpoints, key=lambda c: c.step))
+    return f"step {steps}" if len(checkpoints) == 1 else f"steps {steps}"
 
 
 def _abandoned_folder(directory: Path) -> Path:
@@ -60,16 +61,20 @@ def _abandoned_folder(directory: Path) -> Path:
     return directory / ABANDONED.format(k)
 
 
-def _why_aside(aside: list[Checkpoint], step: int, parent: int | None, found: list[Checkpoint]) -> str:
+def _note_aside(aside: list[Checkpoint], step: int, parent: int | None, found: list[Checkpoint], target: Path) -> str:
     later = [c for c in aside if c.step > step]
     after = [c for c in aside if c.step <= step]
     source = next((c for c in found if parent is not None and c.sequence == parent), None)
+    why = [f"{_named(later)} {'is' if len(later) == 1 else 'are'} later than {step}"] if later else []
     loaded = f"step {source.step}" if source else "the checkpoint"
-    reasons = ([f"step{'s' if len(later) > 1 else ''} {_steps(later)} {'are' if len(later) > 1 else 'is'} "
-                f"later than {step}"] if later else [])
-    reasons += [f"step{'s' if len(after) > 1 else ''} {_steps(after)} {'were' if len(after) > 1 else 'was'} saved "
-                f"after {loaded}, which this run loaded or last saved"] if after else []
-    return " and ".join(reasons)
+    why += [f"{_named(after)} {'was' if len(after) == 1 else 'were'} saved after {loaded}, which this run loaded or "
+            "last saved"] if after else []
+    it = "it" if len(aside) == 1 else "them"
+    return (
+        f"saving step {step}: moved {_named(aside)} to {target}, not deleted: {' and '.join(why)}, so "
+        f"{'it belongs' if len(aside) == 1 else 'they belong'} to a run that was rolled back. "
+        f"load_checkpoint({str(target)!r}, ...) still loads {it}; delete that folder once you no longer need {it}."
+    )
 
 
 def _set_aside(directory: Path, step: int, parent: int | None, found: list[Checkpoint]) -> str | None:
@@ -83,11 +88,7 @@ def _set_aside(directory: Path, step: int, parent: int | None, found: list[Check
         c.path.rename(step_folder(target, c.step))
     fsync_path(target)
     fsync_path(directory)
-    return (
-        f"saving step {step}: {_why_aside(aside, step, parent, found)}, so they belong to a run that was rolled "
-        f"back; moved to {target}, not deleted (load_checkpoint({str(target)!r}, ...) still loads them; delete "
-        "that folder once you no longer need them)"
-    )
+    return _note_aside(aside, step, parent, found, target)
 
 
 def _rename_into_place(directory: Path, partial: Path, step: int) -> None:
