@@ -14,7 +14,7 @@ None where ``extra_digests`` differ (each rank's extra is then in ``rank_extra_f
 
 ``read_value(path, map_location) -> (value, problem)``: ``torch.load(path, map_location, weights_only=True)``; a
 refusal (a pickle that names a function or a class), a tensor on a device this process lacks, or any other
-failure is a problem sentence that says what to do, and value is None.
+failure is a problem, ``(what is wrong, what to do)``, and value is None.
 
 ``read_loop_state(path, map_location) -> (state, problem)``: :func:`read_value`, then the value must be a dict
 with ``step`` and ``extra``; one written before extras were per rank has no ``extra_digests`` (one extra).
