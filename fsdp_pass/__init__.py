@@ -39,7 +39,7 @@ from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.report.explain import Explanation
 from fsdp_pass.shard.groups import fake_process_group
-from fsdp_pass.train.distributed_checkpoint import Resumed, load_checkpoint, save_checkpoint
+from fsdp_pass.train.distributed_checkpoint import CheckpointWarning, Resumed, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
 from fsdp_pass.train.grad_scaler import GradScaler
 from fsdp_pass.train.state_dicts import (
@@ -56,6 +56,7 @@ __all__ = [
     "FSDP",
     "Blocks",
     "BySize",
+    "CheckpointWarning",
     "Explanation",
     "FSDPError",
     "GradNorms",
