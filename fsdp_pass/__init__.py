@@ -38,6 +38,7 @@ from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.report.explain import Explanation
+from fsdp_pass.shard import gloo_exit as _gloo_exit
 from fsdp_pass.shard.groups import fake_process_group
 from fsdp_pass.train.distributed_checkpoint import Resumed, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
@@ -51,6 +52,8 @@ from fsdp_pass.train.state_dicts import (
     set_state_dict,
 )
 from fsdp_pass.transform import FSDP
+
+_gloo_exit.install()  # at exit, wait until gloo's worker threads are idle (a rank aborted otherwise: see the module)
 
 __all__ = [
     "FSDP",
