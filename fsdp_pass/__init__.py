@@ -29,6 +29,12 @@ def _version() -> str:
 
 __version__ = _version()
 
+from fsdp_pass.shard import gloo_exit as _gloo_exit
+
+# At exit, wait until gloo's worker threads are idle (a rank aborted otherwise: see the module). Registered before the
+# rest is imported (it needs the standard library alone), so that the exit hooks of what it imports run before it.
+_gloo_exit.install()
+
 from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.plan.layout import ShardLayout
@@ -38,7 +44,6 @@ from fsdp_pass.plan.sharding import ShardingPlan, Strategy
 from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.report.explain import Explanation
-from fsdp_pass.shard import gloo_exit as _gloo_exit
 from fsdp_pass.shard.groups import fake_process_group
 from fsdp_pass.train.distributed_checkpoint import Resumed, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
@@ -52,8 +57,6 @@ from fsdp_pass.train.state_dicts import (
     set_state_dict,
 )
 from fsdp_pass.transform import FSDP
-
-_gloo_exit.install()  # at exit, wait until gloo's worker threads are idle (a rank aborted otherwise: see the module)
 
 __all__ = [
     "FSDP",
