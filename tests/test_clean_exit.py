@@ -20,7 +20,7 @@ LINUX = os.path.isdir("/proc/self/task") and hasattr(os, "fork") and hasattr(os,
 
 def test_importing_the_package_installs_the_exit_hook():
     assert fsdp_pass._gloo_exit is gloo_exit and gloo_exit.installed()
-    assert gloo_exit.wait_for_idle_gloo_workers(timeout_s=1.0)  # no gloo group in this process: at once
+    assert gloo_exit.wait_for_idle_gloo_workers(timeout_s=1.0)  # no gloo workers here, or idle ones: within 3 looks
 
 
 @pytest.mark.skipif(not LINUX, reason="the trials pin ranks to cores and read /proc (Linux)")
