@@ -51,6 +51,13 @@ from fsdp_pass.predicates import (
 )
 
 
+# the attribute of a flat buffer that a stream other than the compute stream fills (an offloaded unit's shards are
+# copied to the device on the communication stream, where its all-gather follows): that stream. An op that reads the
+# buffer before the collective's wait orders itself after that stream's work: the finite check of the packed shard
+# runs on it (fsdp_pass.ops.finite_checks). Set by the executor's pack op (fsdp_pass_executors.buffers).
+WRITTEN_ON = "fsdp_written_on"
+
+
 @dataclass(frozen=True)
 class UnitBuffer:
     """How one unit's parameters lie in its flat buffers at one world size, worked out once per unit (the ops
