@@ -102,6 +102,7 @@ def test_off_no_op_on_every_unit_checked_in_execution_order():
             slots.extend(range(slot, slot + check.flags))
             assert b_key == key and b.header.startswith(f"[fsdp] unit {check.unit!r} check finite (flag"), b
             reader = {PARAMETERS: is_pack_shards, GRADIENT: is_pack_grads, GRADIENT_SHARD: is_unpack_grad_shard}
+            assert "read after its copy" not in str(b.header), b  # nothing offloaded: read where it is made
             if check.what in reader:
                 assert reader[check.what](before) and unit_of_op(before) == check.unit, before
                 assert [t.name for t in tensors] == [o.name for o in before.flat_proxy_outs], b  # what it made
@@ -206,6 +207,7 @@ def test_offloaded_units_check_the_copy_to_the_device():
         if checks[owners[b.args[2]][0]].what == PARAMETERS:
             assert is_pack_shards(before) and before.args[3] is not None, before  # copied to the compute device
             assert [t.name for t in b.args[0]] == [before.output.name]
+            assert ", read after its copy to meta (on CUDA on the stream that copies it" in str(b.header), b
             packs += 1
     assert packs == len(UNITS)
 

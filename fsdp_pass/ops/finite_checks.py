@@ -17,7 +17,8 @@ compile's key names its flags); off, the traces hold none of them:
    hold a NaN or an inf and are skipped. A buffer that another stream fills (an offloaded shard's
    host-to-device copy runs on the communication stream:
    :data:`~fsdp_pass.ops.flat_buffers.WRITTEN_ON`) is checked on that stream, after the copy and before the
-   all-gather the executor issues there next; the verdict waits for that stream.
+   all-gather the executor issues there next (that stream first waits for the compute stream, where the flags
+   were zeroed); the verdict waits for that stream. The check's label in the trace says it reads the copy.
 3. ``raise_if_nonfinite(key, phase)`` last in the forward and last in the backward: that phase's flags come to the
    host, each set flag becomes ``world - rank``, and one all-reduce (MAX) over every rank of the model, on a
    host-side gloo channel, gives every rank the same vector: per flag, the lowest rank that saw a NaN or an inf (0:
@@ -267,6 +268,8 @@ def check_finite_impl(tensors, key: str, slot: int, cut=None) -> None:
     dtype = items[0][1].dtype
     for _, t in items[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
+    if stream is not None and flags.is_cuda:  # the flags were zeroed (or made) on the compute stream
+        stream.wait_stream(torch.cuda.current_stream(flags.device))
     with _on_stream(stream):  # a device's check: no host sync, one flag per part written on the device
         bounds = torch.stack([torch.stack(torch.aminmax(t.detach())).to(dtype) for _, t in items])
         bad = torch.isfinite(bounds).all(dim=1).logical_not()

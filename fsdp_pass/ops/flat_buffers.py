@@ -135,6 +135,15 @@ def gathers_in_place(bsym) -> bool:
     return group is not None and not _pack_is_view_op(shards, dtype, device)
 
 
+def pack_copies_to_device(bsym) -> str | None:
+    """The device pack op ``bsym`` copies the shards to (offloaded shards: the compute device), or None where it
+    reads them where they live. On CUDA the executor runs that copy on the communication stream
+    (:data:`WRITTEN_ON`)."""
+    shards, _, _, device, _ = bsym.args
+    moved = _device(device)
+    return None if moved in (None, shards[0].device) else moved.device_str()
+
+
 def _pack_is_view_op(shards, dtype, device) -> bool:
     cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
     return pack_is_view(len(shards), cast=cast, moved=moved)

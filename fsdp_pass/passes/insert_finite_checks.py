@@ -50,7 +50,7 @@ from fsdp_pass.ops.finite_checks import (
     bound_clear,
     bound_decision,
 )
-from fsdp_pass.ops.flat_buffers import layouts_of
+from fsdp_pass.ops.flat_buffers import layouts_of, pack_copies_to_device
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import (
     is_bookkeeping,
@@ -187,11 +187,16 @@ def _output_checks(bsyms, plan: UnitPlan) -> list[tuple[int, FiniteCheck, list, 
     return found
 
 
-def _check_header(check: FiniteCheck, slot: int) -> str:
+def _check_header(check: FiniteCheck, slot: int, after) -> str:
+    """The check's label: its unit, its flags, what it reads; for an offloaded shard (``after``, the op it follows,
+    copies it to a device) that it reads the copy, on the stream that makes it."""
     flags = f"flag {slot}" if check.flags == 1 else f"flags {slot}..{slot + check.flags - 1}, one per parameter"
     what = DESCRIPTION[check.what]
     if check.what == OUTPUT and check.region != check.unit:
         what = f"the output of {check.region!r} (what its ops computed and the ops after it read, after its last op)"
+    moved = pack_copies_to_device(after) if is_pack_shards(after) else None
+    if moved is not None:
+        what += f", read after its copy to {moved} (on CUDA on the stream that copies it, before the all-gather there)"
     return f"[fsdp] unit {check.unit!r} check finite ({flags}): {what}"
 
 
@@ -204,7 +209,7 @@ def insert_finite_checks(trace, phase: str, plan: UnitPlan, group, key: str, sco
     firsts = add_checks(key, group, [check for _, check, _, _ in planned], scope)
     after: dict[int, list] = {}
     for (at, check, tensors, cut), slot in zip(planned, firsts):
-        after.setdefault(at, []).append(bound_check(tensors, key, slot, cut, _check_header(check, slot)))
+        after.setdefault(at, []).append(bound_check(tensors, key, slot, cut, _check_header(check, slot, bsyms[at])))
 
     start = next((i for i, b in enumerate(bsyms) if not is_input_unpacking(b)), len(bsyms))
     new = from_trace(trace)
