@@ -362,8 +362,8 @@ class Explanation:
         if g is None or not g.buffers:
             return []
         flat, cut = g.flat_buffers, g.cut_out
-        flat_units = _bytes_by_unit(flat, lambda b: self.memory.unit_of_collective.get(b.name, "?"))
-        cut_units = _bytes_by_unit(cut, lambda b: b.unit or "?")
+        flat_units = _bytes_by_unit(flat, lambda b: b.unit)
+        cut_units = _bytes_by_unit(cut, lambda b: b.unit)
         parts = []
         padded = any(u.padding for u in self.units)
         if flat:
