@@ -1,5 +1,5 @@
 """The seam matrix: the features users combine, each pair of them met in at least one combination, every
-combination trained for two AdamW steps on 2 gloo ranks against one process (``tests/seam_cases.py``: the factors,
+combination trained for two steps (SGD with momentum) on 2 gloo ranks against one process (``tests/seam_cases.py``: the factors,
 the construction, the reference, and which pairs a user cannot ask for).
 
 The combinations, as the test ids print them (precision-feature-units-strategy-lengths)::
