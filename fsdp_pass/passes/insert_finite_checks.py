@@ -7,7 +7,8 @@ region: the checks read only tensors that the final trace holds at top level, un
 
 1. Forward, per unit: after its ``pack_shards``, a check of the packed shard (its parameters as this rank sends
    them: the gathered parameters are every rank's packed shard side by side, so each rank checking its own covers
-   them all and says which rank's shard holds the NaN); after the last op that reads its gathered parameters (or a
+   them all and says which rank's shard holds the NaN; an 8-bit gather has no packed shard: after its
+   ``quantize_shard``, a check of the shards it quantized); after the last op that reads its gathered parameters (or a
    view of them), a check of that op's results (its output). ZeRO-3's second gather, in the backward, is not
    checked again. A unit whose gather is its shards themselves (one rank:
    :func:`~fsdp_pass.ops.unshard.gathers_nothing`) has its ``view_shards`` in place of both ops: its parameters,
@@ -47,6 +48,7 @@ from fsdp_pass.predicates import (
     is_input_unpacking,
     is_pack_grads,
     is_pack_shards,
+    is_quantize_shard,
     is_return,
     is_unit_op,
     is_unpack_gathered,
@@ -85,6 +87,8 @@ def _planned_checks(bsyms, phase: str, units: frozenset[str]) -> list[tuple[int,
             continue
         if phase == "forward" and (is_pack_shards(b) or is_view_shards(b)):
             found.append((i, unit, PARAMETERS, _tensors(b)))
+        if phase == "forward" and is_quantize_shard(b):  # the shards it read (its output is codes)
+            found.append((i, unit, PARAMETERS, list(b.args[0])))
         if phase == "forward" and (is_unpack_gathered(b) or is_view_shards(b)):
             last = _last_reader(bsyms, i, {p.name for p in _tensors(b)})
             if last is not None and _tensors(bsyms[last]):
