@@ -20,7 +20,7 @@ from fsdp_pass_executors import executors_for
 
 from fsdp_pass_executors.collectives import watching_issues
 
-from fsdp_pass import FSDP, MixedPrecision, explain, fsdp_of, full_state_dict, predict_step
+from fsdp_pass import FSDP, FSDPError, MixedPrecision, explain, fsdp_of, full_state_dict, predict_step
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass.shard.global_view import gather_full
@@ -198,3 +198,26 @@ def measured_step(strategy: str, gather_dtype, param_dtype=torch.bfloat16, steps
     e = explain(jm)
     return {"measured": peaks, "traced_step": e.memory.step.peak_bytes, "traced": e.memory.peak,
             "predicted": predict_step(jm).peak_bytes, "in_place": in_place, "text": str(e)}
+
+
+def inf_in_a_shard(poisoned_rank: int = 1) -> dict:
+    """The MLP under ZeRO-3 with int8 gathers and ``check_finite=True``: a clean step, then an inf planted in
+    ``poisoned_rank``'s shard of ``fc2.weight`` (its own 8-bit gather reads it): what each rank raises."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    precision = MixedPrecision(torch.bfloat16, output_dtype=torch.float32, gather_dtype=torch.int8)
+    jm = thunder.jit(models.build("mlp"), transforms=[FSDP("zero3", units="blocks", mixed_precision=precision,
+                                                           check_finite=True)], executors=executors_for("cpu"))
+    x, y = models.batch("mlp", 2 * world, 0)
+
+    def step() -> str:
+        try:
+            models.loss_fn("mlp", jm(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2]).backward()
+        except FSDPError as e:
+            return str(e)
+        return "ok"
+
+    clean = step()
+    with torch.no_grad():
+        if rank == poisoned_rank:
+            jm.get_parameter("fc2.weight").view(-1)[5] = float("inf")
+    return {"clean": clean, "poisoned": step(), "forward": str(fsdp_of(jm).compiled_step.forward)}
