@@ -1,7 +1,8 @@
 """8-bit parameter gathers: the peak the step model predicts, the peak the traces hold, what a real step allocates,
 and the CPU step time, for bfloat16, int8 and float8_e4m3fn gathers.
 
-    python -m bench.quantized_gathers [--worlds 2 4] [--measure-world 2] [--time-worlds 1 2] [--skip dry,measure,time]
+    python -m bench.quantized_gathers [--worlds 2 4] [--measure-world 2] [--time-worlds 1 2] [--clock cpu]
+                                      [--skip dry,measure,time]
 
 Every row computes in bfloat16 (``MixedPrecision(bfloat16, output_dtype=float32, gather_dtype=...)``, float32 master
 weights), one unit per block.
@@ -12,19 +13,29 @@ weights), one unit per block.
 2. ``measure``: the same model trained on ``--measure-world`` gloo ranks spawned here: the allocations of a real
    step (``fsdp_pass.report.measure.allocated_during``, three steps after two warm-up ones) against the traced
    step peak of the same compile (explain()'s, without the shards and the optimizer state, which live before it).
-3. ``time``: the CPU step (forward, loss, backward, AdamW) of the benchmark model (:mod:`bench.model`, 4 layers,
-   d 128) under ZeRO-3 with bfloat16 and int8 gathers at each of ``--time-worlds``, the rows taking turns; the
-   slowest rank's median, by the wall clock (this machine's load weighs on it: say so when quoting it).
+3. ``time``: the CPU step (forward, loss, backward, AdamW) of the benchmark model (``bench.step_cost.stepper``,
+   4 layers, d 128) under ZeRO-3 with bfloat16 and int8 gathers at each of ``--time-worlds`` (one compute thread
+   per rank), the rows taking turns; the slowest rank's median, by the wall clock or (``--clock cpu``) by each
+   rank's compute thread's CPU time (this machine's load weighs on either: say so when quoting it).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 import warnings
 
+import thunder
 import torch
+from fsdp_pass_executors import executors_for
 
-from fsdp_pass.plan.mixed_precision import MixedPrecision
+from bench.step_cost import Config, interleaved_medians, stepper
+from fsdp_pass import FSDP, MixedPrecision, explain
+from fsdp_pass.models import zoo
+from fsdp_pass.report.dry_run import dry_run
+from fsdp_pass.report.measure import allocated_during
+from fsdp_pass.report.text import format_table
+from fsdp_pass.shard.groups import run_on_local_ranks
 
 GATHERS = {"bf16": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
 # explain()'s test model (tests/explain_cases.py)
@@ -37,8 +48,6 @@ def precision(gather: str) -> MixedPrecision:
 
 
 def _model(device: str):
-    from fsdp_pass.models import zoo
-
     torch.manual_seed(0)
     module, (idx, _) = zoo.build("tiny", device, **CONFIG)
     if device == "meta":
@@ -49,8 +58,6 @@ def _model(device: str):
 
 
 def dry_rows(worlds) -> list[tuple]:
-    from fsdp_pass.report.dry_run import dry_run
-
     rows = []
     for world in worlds:
         for strategy in ("zero2", "zero3"):
@@ -67,12 +74,6 @@ def dry_rows(worlds) -> list[tuple]:
 def measured_on_rank(gather: str, strategy: str) -> dict:
     """A few real steps of the test model on this rank: the measured allocations of the last three, and explain()'s
     traced step peak."""
-    import thunder
-    from fsdp_pass_executors import executors_for
-
-    from fsdp_pass import FSDP, explain
-    from fsdp_pass.report.measure import allocated_during
-
     warnings.filterwarnings("ignore")
     module, args = _model("cpu")
     jm = thunder.jit(module, transforms=[FSDP(strategy, units="blocks", mixed_precision=precision(gather))],
@@ -90,8 +91,6 @@ def measured_on_rank(gather: str, strategy: str) -> dict:
 
 
 def measure_rows(world: int) -> list[tuple]:
-    from fsdp_pass.shard.groups import run_on_local_ranks
-
     rows = []
     for strategy in ("zero2", "zero3"):
         for gather in GATHERS:
@@ -104,40 +103,18 @@ def measure_rows(world: int) -> list[tuple]:
     return rows
 
 
-def timed_on_rank(rounds: int, steps: int) -> dict:
-    import thunder
-    from fsdp_pass_executors import executors_for
-
-    from bench.model import build_model, loss_fn, make_batch
-    from bench.step_cost import interleaved_medians
-    from fsdp_pass import FSDP
-
+def timed_on_rank(rounds: int, steps: int, clock: str) -> dict:
     warnings.filterwarnings("ignore")
-    x, y = make_batch(0, rank=torch.distributed.get_rank())
-
-    def stepper(gather: str):
-        jm = thunder.jit(build_model(), transforms=[FSDP("zero3", units="blocks", mixed_precision=precision(gather))],
-                         executors=executors_for("cpu"))
-        opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
-
-        def step():
-            loss_fn(jm(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        for _ in range(3):
-            step()
-        return step
-
-    return interleaved_medians({g: stepper(g) for g in ("bf16", "int8")}, rounds, steps)
+    torch.set_num_threads(1)
+    steps_of = {g: stepper([FSDP("zero3", units="blocks", mixed_precision=precision(g))], Config())
+                for g in ("bf16", "int8")}
+    return interleaved_medians(steps_of, rounds, steps, time.thread_time if clock == "cpu" else time.perf_counter)
 
 
-def time_rows(worlds, rounds: int, steps: int) -> list[tuple]:
-    from fsdp_pass.shard.groups import run_on_local_ranks
-
+def time_rows(worlds, rounds: int, steps: int, clock: str) -> list[tuple]:
     rows = []
     for world in worlds:
-        results = run_on_local_ranks(timed_on_rank, world, rounds, steps, timeout_s=600)
+        results = run_on_local_ranks(timed_on_rank, world, rounds, steps, clock, timeout_s=600)
         bf16, int8 = (max(r[g] for r in results) for g in ("bf16", "int8"))
         rows.append((world, f"{bf16:.2f}", f"{int8:.2f}", f"{int8 / bf16:.3f}"))
         print(*rows[-1], flush=True)
@@ -145,8 +122,6 @@ def time_rows(worlds, rounds: int, steps: int) -> list[tuple]:
 
 
 def main(argv=None) -> None:
-    from fsdp_pass.report.text import format_table
-
     p = argparse.ArgumentParser(prog="python -m bench.quantized_gathers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -154,6 +129,8 @@ def main(argv=None) -> None:
     p.add_argument("--time-worlds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=3, help="steps of each row per round")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by the wall clock or by each rank's compute thread's CPU time (a shared machine)")
     p.add_argument("--skip", default="", help="comma-separated parts to leave out: dry, measure, time")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -167,7 +144,7 @@ def main(argv=None) -> None:
                                     "worst - traced B"), measure_rows(args.measure_world)))
     if "time" not in skip:
         tables.append(format_table(("world", "bf16 ms", "int8 ms", "int8 / bf16"),
-                                   time_rows(args.time_worlds, args.rounds, args.steps)))
+                                   time_rows(args.time_worlds, args.rounds, args.steps, args.clock)))
     for table in tables:
         print("\n".join(table), end="\n\n")
 

@@ -23,9 +23,10 @@ The semantics are FSDP2's (``MixedPrecisionPolicy``), by construction:
   (:mod:`fsdp_pass.ops.quantized_gather`). The gather moves about 0.52x the bytes of a bfloat16 gather (128:
   1 byte + 4/128 of scales per element, against 2: :meth:`MixedPrecision.sent_nbytes`); what the step holds once
   gathered is the dequantized parameters, as many bytes as a ``param_dtype`` gather's
-  (:meth:`MixedPrecision.held_nbytes`), and the received codes beside them until they are dequantized. Gradients are those of the dequantized parameters, reduced
-  in ``reduce_dtype`` into the float32 master shards as without quantization (straight-through: the
-  optimizer steps the unquantized master weights, only what the forward and backward compute with is rounded).
+  (:meth:`MixedPrecision.held_nbytes`), and the received codes beside them until they are dequantized. Gradients
+  are those of the dequantized parameters, reduced in ``reduce_dtype`` into the float32 master shards as without
+  quantization (straight-through: the optimizer steps the unquantized master weights, only what the forward and
+  backward compute with is rounded).
   This changes numerics (opt-in): int8 blocks of 128 round each weight to within half a step of
   ``amax/127`` of its block, float8_e4m3fn to 3 mantissa bits; the README's section on 8-bit gathers has the
   measured validation loss against a bfloat16 gather.

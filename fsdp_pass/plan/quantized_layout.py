@@ -24,8 +24,8 @@ Pure arithmetic on sizes (no tensors), shared by the ops that pack and unpack th
    (:func:`chunk_elements`: 2^16 elements on the CPU, 2^22 on a GPU, where each chunk costs a few kernel launches),
    through one float32 scratch buffer per op: quantizing always (the codes are rounded from float32 values), and
    dequantizing on the CPU only, into a compute dtype other than float32 (the CPU's mixed-dtype kernels would copy
-   whole operands to float32). :func:`quantize_scratch_bytes` and :func:`dequantize_scratch_bytes` are what the op
-   holds beside its output while it runs: the memory model counts them.
+   whole operands to float32). :func:`quantize_scratch_bytes` and :func:`dequantize_scratch_numel` (float32
+   elements) are what the op holds beside its output while it runs: the memory model counts them.
 """
 
 from __future__ import annotations

@@ -304,7 +304,8 @@ def peak_of(
         common = persistent + reduced + kept + in_flight
         received = output_grad if j == k - 1 else units[j].received  # the gradient its backward starts from
         if again and units[j].codes:  # its dequantize: the received codes and the dequantized buffer
-            point(common + b_before[latest_wait] + units[j].codes + gathered + acts + received, f"backward of {names[j]}")
+            codes = units[j].codes
+            point(common + b_before[latest_wait] + codes + gathered + acts + received, f"backward of {names[j]}")
         if again and units[j].copies_out:  # its unpack, before its ops: the gathered buffer and the copies out of it
             point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
         # its backward starts with its parameters gathered, its activations kept (less those a later unit's backward

@@ -11,9 +11,8 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
 
 1. ``gathered_bytes``: the piece's unsharded parameters as the step holds them once gathered, in the dtype it
    computes in (the mixed precision's ``param_dtype``, else their own); ``sent_bytes`` as its gather moves them
-   (the same, but for an 8-bit gather: codes and scales, :meth:`~fsdp_pass.plan.mixed_precision.MixedPrecision.sent_nbytes`,
-   whose buffer is held too, from the gather's issue to its dequantize); ``grad_bytes`` the parameters in the dtype
-   they are reduced in.
+   (the same, but for an 8-bit gather: codes and scales, ``MixedPrecision.sent_nbytes``, whose buffer is held too,
+   from the gather's issue to its dequantize); ``grad_bytes`` the parameters in the dtype they are reduced in.
 2. ``shard_bytes``: what this rank keeps of them between steps (padding included).
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
    :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, about half that

@@ -381,7 +381,8 @@ class Explanation:
             )
         if dequantized:
             by_unit = _bytes_by_unit(dequantized, lambda b: b.unit or "?")
-            parts.append(f"{human_bytes(sum(b.nbytes for b in dequantized))} of dequantized buffers ({_units(by_unit)})")
+            nbytes = human_bytes(sum(b.nbytes for b in dequantized))
+            parts.append(f"{nbytes} of dequantized buffers ({_units(by_unit)})")
         if cut:
             parts.append(f"{human_bytes(sum(b.nbytes for b in cut))} of parameters cut out of them ({_units(cut_units)})")
         lines = [
