@@ -2,7 +2,7 @@
 and the CPU step time, for bfloat16, int8 and float8_e4m3fn gathers.
 
     python -m bench.quantized_gathers [--worlds 2 4] [--measure-world 2] [--time-worlds 1 2] [--clock cpu]
-                                      [--skip dry,measure,time]
+                                      [--host-numel N] [--skip dry,measure,time,host]
 
 Every row computes in bfloat16 (``MixedPrecision(bfloat16, output_dtype=float32, gather_dtype=...)``, float32 master
 weights), one unit per block.
@@ -17,6 +17,10 @@ weights), one unit per block.
    4 layers, d 128) under ZeRO-3 with bfloat16 and int8 gathers at each of ``--time-worlds`` (one compute thread
    per rank), the rows taking turns; the slowest rank's median, by the wall clock or (``--clock cpu``) by each
    rank's compute thread's CPU time (this machine's load weighs on either: say so when quoting it).
+4. ``host``: what quantizing an offloaded shard on the host would cost: ``quantize_shards`` of one float32 CPU shard
+   of ``--host-numel`` elements into int8 and float8 codes on one thread, the median of five by the thread's CPU
+   time, as GB/s of float32 read (the PCIe copy of the float32 shard that quantizing on the host would save runs
+   at 25-50 GB/s on a PCIe 4 or 5 x16 link: why an offloaded shard crosses in float32 and is quantized on the GPU).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from fsdp_pass_executors import executors_for
 from bench.step_cost import Config, interleaved_medians, stepper
 from fsdp_pass import FSDP, MixedPrecision, explain
 from fsdp_pass.models import zoo
+from fsdp_pass.ops.quantize import quantize_shards
+from fsdp_pass.plan.quantized_layout import quantized_layout
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.measure import allocated_during
 from fsdp_pass.report.text import format_table
@@ -121,6 +127,23 @@ def time_rows(worlds, rounds: int, steps: int, clock: str) -> list[tuple]:
     return rows
 
 
+def host_rows(numel: int, repeats: int = 5) -> list[tuple]:
+    torch.set_num_threads(1)
+    layout = quantized_layout(((numel,),), 1, 128)
+    shard, out = torch.randn(numel), torch.empty(layout.rank_bytes, dtype=torch.uint8)
+    rows = []
+    for gather in ("int8", "float8"):
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            quantize_shards([shard], layout, GATHERS[gather], out)
+            times.append(time.thread_time() - start)
+        median = sorted(times)[len(times) // 2]
+        rows.append((gather, f"{numel:,}", f"{1e3 * median:.1f}", f"{4 * numel / median / 1e9:.2f}"))
+        print(*rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.quantized_gathers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +154,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="steps of each row per round")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by the wall clock or by each rank's compute thread's CPU time (a shared machine)")
-    p.add_argument("--skip", default="", help="comma-separated parts to leave out: dry, measure, time")
+    p.add_argument("--host-numel", type=int, default=1 << 24, help="elements of the host shard quantized (host)")
+    p.add_argument("--skip", default="", help="comma-separated parts to leave out: dry, measure, time, host")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     skip = set(args.skip.split(","))
@@ -145,6 +169,9 @@ def main(argv=None) -> None:
     if "time" not in skip:
         tables.append(format_table(("world", "bf16 ms", "int8 ms", "int8 / bf16"),
                                    time_rows(args.time_worlds, args.rounds, args.steps, args.clock)))
+    if "host" not in skip:
+        tables.append(format_table(("codes", "float32 elements", "quantize ms", "GB/s of float32"),
+                                   host_rows(args.host_numel)))
     for table in tables:
         print("\n".join(table), end="\n\n")
 
