@@ -172,10 +172,12 @@ def quantized_parity(model_name: str, strategy: str, gather_dtype, steps: int = 
 
 def measured_step(strategy: str, gather_dtype, param_dtype=torch.bfloat16, steps: int = 3) -> dict:
     """explain()'s test model (:mod:`tests.explain_cases`, one unit per block) computing in ``param_dtype`` (None: in
-    float32) with 8-bit gathers, trained with AdamW: what the last ``steps`` of five allocate (measured, after two warm-up steps),
-    explain()'s traced step peak and whole peak, the step model's peak (``predict_step``), and per all-gather of the
-    measured steps whether it filled the buffer its quantize op wrote into (its output and input share storage)."""
+    float32) with 8-bit gathers, trained with AdamW: what ``steps`` steps after two warm-up ones allocate (measured),
+    explain()'s traced step peak, whole peak and text, the step model's peak (``predict_step``), the bytes of all
+    parameters in the compute dtype, and per all-gather of the measured steps whether it filled the buffer its
+    quantize op wrote into (its output and input share storage)."""
     module, args = explain_cases.build_model()
+    numel = sum(p.numel() for p in module.parameters())  # unsharded (the transform shards the module's own)
     precision = MixedPrecision(param_dtype, output_dtype=torch.float32, gather_dtype=gather_dtype)
     jm = thunder.jit(module, transforms=[FSDP(strategy, units="blocks", mixed_precision=precision)],
                      executors=executors_for("cpu"))
@@ -197,7 +199,8 @@ def measured_step(strategy: str, gather_dtype, param_dtype=torch.bfloat16, steps
         opt.step()
     e = explain(jm)
     return {"measured": peaks, "traced_step": e.memory.step.peak_bytes, "traced": e.memory.peak,
-            "predicted": predict_step(jm).peak_bytes, "in_place": in_place, "text": str(e)}
+            "predicted": predict_step(jm).peak_bytes, "in_place": in_place, "text": str(e),
+            "held": numel * (param_dtype or torch.float32).itemsize}
 
 
 def inf_in_a_shard(poisoned_rank: int = 1) -> dict:

@@ -288,12 +288,19 @@ def test_a_real_steps_peak_is_explains_and_the_step_models(ranks, strategy, gath
     allocated and wrote its slice of (no send buffer); every measured step's allocations peak within explain()'s
     usual 1 KiB of the traced step peak (the received codes, the dequantized parameters and the ops' scratch all
     counted; before, ZeRO-3 in bfloat16 measured 39 KiB above it: the float32 copies), and the step model, which
-    holds the dequantized parameters (it held the codes: 6 % below the traces), within 1 % of the traced peak."""
+    holds the dequantized parameters (it held the codes: 6 % below the traces), within 1 % of the traced peak;
+    explain()'s text names the codes and scales sent and the dequantized parameters held."""
     for rank, r in enumerate(ranks(2).run(quantized_cases.measured_step, strategy, gather_dtype, param_dtype)):
         assert r["in_place"] and all(r["in_place"]), (rank, r["in_place"])
         assert all(abs(p - r["traced_step"]) <= tolerances.PEAK_BYTES for p in r["measured"]), (
             rank, r["measured"], r["traced_step"])
         assert 0.99 * r["traced"] <= r["predicted"] <= 1.01 * r["traced"], (rank, r["predicted"], r["traced"])
+        # explain() of the real step says what is sent and what is held: the floor's codes and scales, the parameters
+        # held dequantized in the compute dtype, and at the gathered peak the dequantized buffers, not the codes
+        name = str(gather_dtype).removeprefix("torch.")
+        assert f"as gathered ({name} codes and scales; held dequantized: {human_bytes(r['held'])})" in r["text"], (
+            r["text"])
+        assert "of dequantized buffers (unit" in r["text"], r["text"]
 
 
 def test_check_finite_reads_the_shards_an_8bit_gather_quantizes(ranks):
