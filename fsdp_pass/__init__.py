@@ -37,6 +37,7 @@ _gloo_exit.install()
 
 from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
+from fsdp_pass.ops.finite_checks import NonFiniteError
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
@@ -69,6 +70,7 @@ __all__ = [
     "GradScaler",
     "Groups",
     "MixedPrecision",
+    "NonFiniteError",
     "PerParameter",
     "Resumed",
     "Schedule",

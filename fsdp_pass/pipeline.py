@@ -30,8 +30,9 @@ After lowering, on the final forward and on the final backward trace: :func:`fin
   6. verify    no buffer used while its collective is in flight; the forward's first collective comes with a
                check that every rank runs a step with the same collectives, at every step (issued beside it,
                awaited before the second: :mod:`fsdp_pass.verify.step_agreement`); with
-               ``FSDP(check_finite=True)`` each unit's parameters, output and gradients are checked for NaN/inf
-               and the backward ends with every rank's verdict
+               ``FSDP(check_finite=True)`` each unit's parameters and gradients (one flag per parameter) and each
+               block's output are checked for NaN/inf, and the forward and the backward each end with every
+               rank's verdict
                (:func:`~fsdp_pass.passes.insert_finite_checks.insert_finite_checks`);
   7. label     every collective and the ops around it named with its unit and bytes
                (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
@@ -133,7 +134,7 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         trace = schedule_collectives(trace, options.schedule, kept, unit_of, received, backward=phase == "backward")
     check_collective_lifetimes(trace)
     if options.check_finite and step_key is not None:
-        trace = insert_finite_checks(trace, phase, plan, group, step_key)
+        trace = insert_finite_checks(trace, phase, plan, group, step_key, scope)
     if options.verify_ranks and step_key is not None and has_peers(group):
         record_step_collectives(step_key, group, phase, trace, found, scope)
         if phase == "forward":

@@ -221,6 +221,11 @@ def is_step_check(bsym) -> bool:
     return _id(bsym) == CHECK_SAME_COLLECTIVES
 
 
+def is_del(bsym) -> bool:
+    """``del``: the end of some names' lifetimes."""
+    return _id(bsym) == prims.PrimIDs.DEL
+
+
 def is_finite_check(bsym) -> bool:
     """One of ``FSDP(check_finite=True)``'s ops: clear the step's flags, check tensors, or decide at the end."""
     return _id(bsym) in (CLEAR_FINITE_FLAGS, CHECK_FINITE, RAISE_IF_NONFINITE)

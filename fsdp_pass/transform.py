@@ -110,10 +110,12 @@ class FSDP(Transform):
         timeout: seconds (or a ``timedelta``) a collective helper (``full_state_dict``, ``get_state_dict``,
             ``save_checkpoint``, ...) waits for every rank to call it before raising an FSDPError that names
             the ranks that did not; default 10 minutes.
-        check_finite: check each unit's parameters (this rank's shard), outputs and gradients (before and after
-            the reduce-scatter) for NaN and inf inside the step; a step that produced one raises, at the end of
-            its backward, the same FSDPError on every rank naming the first unit in execution order, what was
-            not finite and the rank (:mod:`fsdp_pass.ops.finite_checks`). False (default): no op in the traces.
+        check_finite: check each parameter (this rank's shard), each block's output and each parameter's
+            gradient (before and after the reduce-scatter) for NaN and inf inside the step; a forward or a
+            backward that produced one raises at its end the same ``NonFiniteError`` (an FSDPError) on every
+            rank naming the first parameter (its module and unit) or output in execution order, which check saw
+            it and the rank; with an enabled ``fsdp_pass.GradScaler`` the gradients' overflow is left to it
+            (:mod:`fsdp_pass.ops.finite_checks`). False (default): no op in the traces.
     """
 
     def __init__(
@@ -240,10 +242,15 @@ class FSDP(Transform):
         step = self.compiled_step
         trace, units = finish_lowered(
             computation_trace, phase, step.plan, step.options, self.model.groups.everyone, step_key=step.key,
-            scope=f"model{self.ordinal}", forward=step.forward if phase == "backward" else None,
+            scope=self.scope, forward=step.forward if phase == "backward" else None,
         )
         self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace
+
+    @property
+    def scope(self) -> str:
+        """This model's name among the models of this process, the same on every rank (its per-step state)."""
+        return f"model{self.ordinal}"
 
     def overlap_report(self) -> OverlapReport:
         """Per collective of the latest compile: issue, wait, and the compute that runs in between."""
@@ -261,7 +268,7 @@ class FSDP(Transform):
     def arrive(self, what: str) -> None:
         """Return once every rank of the group has called the collective helper ``what`` on this model; an
         FSDPError naming the ranks that did not after ``FSDP(timeout=...)`` (:mod:`fsdp_pass.verify.ranks_arrive`)."""
-        ranks_arrive(what, self.model.groups.everyone, self.options.timeout, scope=f"model{self.ordinal}")
+        ranks_arrive(what, self.model.groups.everyone, self.options.timeout, scope=self.scope)
 
     def _compiled(self, what: str) -> CompiledStep:
         check(

@@ -306,12 +306,13 @@ def test_a_real_steps_peak_is_explains_and_the_step_models(ranks, strategy, gath
 def test_check_finite_reads_the_shards_an_8bit_gather_quantizes(ranks):
     """``check_finite=True`` with int8 gathers: there is no packed shard; the parameters' check follows each unit's
     ``quantize_shard`` and reads the shards it quantized, so an inf planted in rank 1's shard of fc2's weight is
-    named there (its parameters, rank 1), not later in its output."""
+    named there (the parameter, rank 1), not later in its output."""
     results = ranks(2).run(quantized_cases.inf_in_a_shard)
     for r in results:
         assert r["clean"] == "ok", r["clean"]
         message = r["poisoned"]
-        assert "first (in execution order) in unit 'fc2', its parameters (this rank's shard" in message, message
+        assert ("first (in execution order) in parameter 'fc2.weight' (module 'fc2', unit 'fc2'): this rank's shard"
+                in message), message
         assert "in the forward, on rank 1." in message, message
     assert results[0]["poisoned"] == results[1]["poisoned"]
 

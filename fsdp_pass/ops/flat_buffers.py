@@ -51,6 +51,13 @@ from fsdp_pass.predicates import (
 )
 
 
+# the attribute of a flat buffer that a stream other than the compute stream fills (an offloaded unit's shards are
+# copied to the device on the communication stream, where its all-gather follows): that stream. An op that reads the
+# buffer before the collective's wait orders itself after that stream's work: the finite check of the packed shard
+# runs on it (fsdp_pass.ops.finite_checks). Set by the executor's pack op (fsdp_pass_executors.buffers).
+WRITTEN_ON = "fsdp_written_on"
+
+
 @dataclass(frozen=True)
 class UnitBuffer:
     """How one unit's parameters lie in its flat buffers at one world size, worked out once per unit (the ops
@@ -126,6 +133,15 @@ def gathers_in_place(bsym) -> bool:
     model counts by it: the pack op allocates the whole gathered buffer, the all-gather writes no new one."""
     shards, _, dtype, device, group = bsym.args
     return group is not None and not _pack_is_view_op(shards, dtype, device)
+
+
+def pack_copies_to_device(bsym) -> str | None:
+    """The device pack op ``bsym`` copies the shards to (offloaded shards: the compute device), or None where it
+    reads them where they live. On CUDA the executor runs that copy on the communication stream
+    (:data:`WRITTEN_ON`)."""
+    shards, _, _, device, _ = bsym.args
+    moved = _device(device)
+    return None if moved in (None, shards[0].device) else moved.device_str()
 
 
 def _pack_is_view_op(shards, dtype, device) -> bool:

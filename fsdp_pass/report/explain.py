@@ -369,8 +369,8 @@ class Explanation:
         if g is None or not g.buffers:
             return []
         flat, dequantized, cut = g.flat_buffers, g.dequantized, g.cut_out
-        flat_units = _bytes_by_unit(flat, lambda b: self.memory.unit_of_collective.get(b.name, "?"))
-        cut_units = _bytes_by_unit(cut, lambda b: b.unit or "?")
+        flat_units = _bytes_by_unit(flat, lambda b: b.unit)
+        cut_units = _bytes_by_unit(cut, lambda b: b.unit)
         parts = []
         padded = any(u.padding for u in self.units)
         codes = "" if self.gather_dtype is None else f" of {str(self.gather_dtype).removeprefix('torch.')} codes"
@@ -380,7 +380,7 @@ class Explanation:
                 + (", padding rows included)" if padded else ")")
             )
         if dequantized:
-            by_unit = _bytes_by_unit(dequantized, lambda b: b.unit or "?")
+            by_unit = _bytes_by_unit(dequantized, lambda b: b.unit)
             nbytes = human_bytes(sum(b.nbytes for b in dequantized))
             parts.append(f"{nbytes} of dequantized buffers ({_units(by_unit)})")
         if cut:

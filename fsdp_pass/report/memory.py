@@ -38,7 +38,7 @@ as a *buffer*:
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
 (all-gather results and copies cut from them, also when the forward kept them for the backward),
-``saved`` (other forward results kept for the backward: activations, in the backward), ``gradients``
+``saved`` (other forward results kept for the backward: activations, from their write in the forward on), ``gradients``
 (unsharded parameter gradients: those a pack op reads, the flat buffer it packs them into, what
 ``no_sync``'s accumulators add), ``gradient shards`` (a reduce-scatter's result and the shard gradients
 cut from it, which the step hands to the optimizer) and ``other`` (activations, their gradients,
@@ -114,7 +114,8 @@ class Buffer:
     start: int  # index of the op that writes it (-1: carried in from the forward)
     end: int  # index of the last op that reads it (len(trace) when it outlives the trace)
     op: str = ""  # the name of the op that wrote it, as printed in the trace (e.g. "fsdp_pack_grads", "matmul")
-    unit: str | None = None  # its unit: the pass's op that wrote it, or the pack op that reads a gradient, names it
+    unit: str | None = None  # its unit: named by the pass's op that wrote it, the pack op that reads a gradient, or (a
+    # collective's result) the op that packed what the collective sends
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class _Buffers:
         self.written_by: dict[str, tuple[str, str | None]] = {}  # buffer id -> (op name, unit)
         self.handed_on_names: set[str] = set()
         self.gathered_in_place: set[str] = set()  # packed shards: the slice of the gathered buffer they fill
+        self.unit_of: dict[str, str] = {}  # output name of one of the pass's unit ops -> its unit (followed or not)
         for name, buf in carried_in.items():
             self.share(name, buf.name, True)
             if buf.name not in self.size:
@@ -204,6 +206,13 @@ class _Buffers:
                 self.kind[buf] = GRADIENTS
                 self.written_by[buf] = (self.written_by[buf][0], unit_of_op(b))
 
+    def mark_saved(self, ret) -> None:
+        """What a forward returns beside its outputs is saved for the backward: activations (and what else the
+        forward computed) among it are saved activations from their write on; gathered parameters stay gathered."""
+        for p in tree_flatten(ret.args[1:])[0]:
+            if isinstance(p, TensorProxy) and p.name in self.buffer_of and self.kind[self.buffer_of[p.name]] == OTHER:
+                self.kind[self.buffer_of[p.name]] = SAVED
+
     def share(self, name: str, buffer: str, contiguous: bool) -> None:
         self.buffer_of[name], self.contiguous[name] = buffer, contiguous
 
@@ -225,8 +234,12 @@ class _Buffers:
 
     def collective(self, b, i: int) -> None:
         """Writes its result buffer when issued; its future keeps the send buffer alive until the wait. An
-        all-reduce that skips its clone (HSDP's, of a reduced shard) sums in place: its result is its input."""
+        all-reduce that skips its clone (HSDP's, of a reduced shard) sums in place: its result is its input. Its
+        result is of the unit whose op packed what it sends (a shard packed as a view of itself included)."""
         send = b.flat_proxy_args[0]
+        unit = self.unit_of.get(send.name)
+        if unit is not None:
+            self.unit_of[b.output.name] = unit
         if is_all_reduce(b) and b.args[4] and send.name in self.buffer_of:
             self.share(b.output.name, self.buffer_of[send.name], self.contiguous[send.name])
             return
@@ -240,6 +253,7 @@ class _Buffers:
             self.kind[buf], self.written_by[buf] = kind, (b.sym.name, self.written_by[buf][1])
             return
         self.new(b.output, i, b, GATHERED if is_all_gather(b) else GRAD_SHARDS)
+        self.written_by[b.output.name] = (b.sym.name, unit)
         if send.name in self.buffer_of:
             self.held_by_future[b.output.name] = self.buffer_of[send.name]
 
@@ -258,6 +272,7 @@ class _Buffers:
         if is_pack_grads(b) or is_grad_accumulation(b):
             self.mark_gradients(b, read)
         views = views_of_inputs(b)
+        self.unit_of.update((o.name, unit_of_op(b)) for o in b.flat_proxy_outs if isinstance(o, TensorProxy))
         kind = OTHER
         if is_unpack_gathered(b) or is_dequantize_gathered(b):  # dequantized: gathered parameters too
             kind = GATHERED
@@ -289,6 +304,7 @@ class _Buffers:
         read = self.read(b, i)
         if is_return(b):
             self.handed_on_names.update(p.name for p in read)
+            self.mark_saved(b)
         elif is_bookkeeping(b):
             self.renamed(b, read)
         elif is_all_gather(b) or is_reduce_scatter(b) or is_all_reduce(b):
