@@ -21,9 +21,12 @@ The semantics are FSDP2's (``MixedPrecisionPolicy``), by construction:
   codes and scales travel in the unit's one all-gather, and the gathered codes are dequantized into
   ``param_dtype`` (the shards' dtype if None) before the parameters are cut out
   (:mod:`fsdp_pass.ops.quantized_gather`). The gather moves about 0.52x the bytes of a bfloat16 gather (128:
-  1 byte + 4/128 of scales per element, against 2). Gradients are those of the dequantized parameters, reduced
-  in ``reduce_dtype`` into the float32 master shards as without quantization (straight-through: the
-  optimizer steps the unquantized master weights, only what the forward and backward compute with is rounded).
+  1 byte + 4/128 of scales per element, against 2: :meth:`MixedPrecision.sent_nbytes`); what the step holds once
+  gathered is the dequantized parameters, as many bytes as a ``param_dtype`` gather's
+  (:meth:`MixedPrecision.held_nbytes`), and the received codes beside them until they are dequantized. Gradients
+  are those of the dequantized parameters, reduced in ``reduce_dtype`` into the float32 master shards as without
+  quantization (straight-through: the optimizer steps the unquantized master weights, only what the forward and
+  backward compute with is rounded).
   This changes numerics (opt-in): int8 blocks of 128 round each weight to within half a step of
   ``amax/127`` of its block, float8_e4m3fn to 3 mantissa bits; the README's section on 8-bit gathers has the
   measured validation loss against a bfloat16 gather.
@@ -82,15 +85,18 @@ class MixedPrecision:
         when the gather is quantized, else nothing (the trace of an unquantized gather is unchanged)."""
         return () if self.gather_dtype is None else (thunder_dtype(self.gather_dtype), self.gather_block)
 
-    def gathered_nbytes(self, spec) -> int:
+    def sent_nbytes(self, spec) -> int:
         """The bytes of parameter ``spec`` (a :class:`~fsdp_pass.plan.sharding.ParamSpec`) as its unit's gather
-        moves them: quantized, one byte per element (padding rows too) and the scales; else in ``param_dtype``
+        sends them: quantized, one byte per element (padding rows too) and the scales; else in ``param_dtype``
         (a non-floating parameter in its own dtype)."""
-        if not spec.dtype.is_floating_point:
-            return spec.nbytes()
-        if self.gather_dtype is not None:
+        if self.gather_dtype is not None and spec.dtype.is_floating_point:
             return quantized_nbytes(spec.layout, self.gather_block)
-        return spec.nbytes(self.param_dtype)
+        return self.held_nbytes(spec)
+
+    def held_nbytes(self, spec) -> int:
+        """The bytes of parameter ``spec`` once gathered, as the step computes with it: in ``param_dtype`` (a
+        quantized gather's too: its codes are dequantized into it), a non-floating parameter in its own dtype."""
+        return spec.nbytes(self.param_dtype if spec.dtype.is_floating_point else None)
 
     def describe(self) -> str:
         def name(d, default):
