@@ -8,8 +8,8 @@ ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md
    defaults of the device the parameters are on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), the budget
    the CUDA device's memory (no bound on the CPU); with peers, every rank takes rank 0's, so every rank plans
    from the same numbers (a probe or a device's memory could differ between ranks by a little).
-2. At the first compile (:func:`choose_units`), from the step summary every compile makes anyway (no trace
-   more): only the units are chosen. Strategy, ``reshard_after_forward``, the schedule's prefetch depth,
+2. At the first compile (:func:`choose_units`), from the step summary every rank plans from
+   (:mod:`~fsdp_pass.plan.planned_from`): only the units are chosen. Strategy, ``reshard_after_forward``, the schedule's prefetch depth,
    checkpointing and offload stay what the user asked, and the step model prices each set of units with them.
    From one unit per block, greedily, each step takes the merge of two neighbouring units or the split of a
    unit at one of its pieces that shortens the predicted step most (fitting the budget first), until none
@@ -19,9 +19,9 @@ ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md
    prefetch depth (``schedule=None``, ``max_unused_bytes``, ``prefetch_by_unit``), a
    ``reshard_after_forward`` or ``checkpoint_activations`` that is a function of the unit (it reads names the
    merged units would not have).
-4. The choice is a pure function of the summary, the options and the settled cost inputs and budget: the same
-   on every rank that traced the same step. The transform keeps the first compile's units for later compiles
-   of the model (another input shape, ``no_sync``), so they do not plan again.
+4. The choice is a pure function of the summary, the options and the settled cost inputs and budget, so the same
+   on every rank. The transform keeps the first compile's choice for later compiles of the model (another input
+   shape, ``no_sync``), so they do not plan again (:mod:`~fsdp_pass.plan.decisions`).
 
 ``explain()`` prints the choice and why (:class:`UnitsChoice`): the units, the predicted step against one unit
 per block's.
@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, device_defaults
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
@@ -60,8 +60,6 @@ class StepModelUnits:
     def settled(self, device, group) -> StepModelUnits:
         """The cost inputs and budget filled in from ``device`` (the user's ``cost=`` first), rank 0's on every
         rank of ``group`` (collective, when the group has peers)."""
-        from fsdp_pass.plan.auto_options import device_defaults  # auto_options imports options, which imports us
-
         default_cost, budget = device_defaults(device)
         chosen = (self.cost or default_cost, budget)
         if has_peers(group):
@@ -174,11 +172,15 @@ def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | 
     return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction)
 
 
-def options_with_chosen_units(summary: StepSummary, model, options):
-    """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``."""
+def units_for(summary: StepSummary, options) -> UnitsChoice:
+    """The step model's choice for ``options`` (``units=`` left out) from the step ``summary``, with the settled cost
+    inputs and budget (:meth:`StepModelUnits.settled`; not settled: the CPU's, no other rank asked)."""
     policy = options.unit_policy
-    if not policy.is_settled:  # not sharded by the transform (the functional path): this rank's device alone
-        policy = policy.settled(getattr(model, "device", None), None)
-    choice = choose_units(summary, options, policy.cost, policy.budget)
-    chosen = Blocks() if choice.prediction is None else ChosenUnits(choice)
-    return replace(options, unit_policy=chosen), choice
+    if not policy.is_settled:
+        policy = policy.settled(None, None)
+    return choose_units(summary, options, policy.cost, policy.budget)
+
+
+def options_with_units(options, choice: UnitsChoice):
+    """``options`` with ``StepModelUnits`` replaced by the ``choice`` (one unit per block where it could not choose)."""
+    return replace(options, unit_policy=Blocks() if choice.prediction is None else ChosenUnits(choice))

@@ -60,6 +60,11 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    (:func:`~fsdp_pass.ops.unshard.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
    no quantized gather; offload, a candidate's choice, copies them all the same).
 
+9. ``after_last_read`` (of the whole step): per parameter, the bytes the forward computes after its last read
+   (:func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`): ZeRO-3's last-unit rule where the step model
+   cannot price the units (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`) reads them here, from the summary
+   every rank plans from (:mod:`~fsdp_pass.plan.planned_from`), not from a rank's own trace.
+
 No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused
 (``fused_attention(bsym)``), so the planner can be tested on hand-made summaries.
 """
@@ -72,6 +77,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from fsdp_pass.ops.unshard import gathers_nothing
+from fsdp_pass.plan.computed_after import bytes_after_last_read
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.plan.op_tally import ops_by_piece, tensor_bytes
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
@@ -129,6 +135,8 @@ class StepSummary:
     # a loss the forward computes after its last parameter read (item 6): its largest result and what it keeps
     tail_largest_bytes: int = 0
     tail_activation_bytes: int = 0
+    # (parameter, bytes): what the forward computes after the parameter's last read (item 9)
+    after_last_read: tuple[tuple[str, int], ...] = ()
 
     @property
     def shard_bytes(self) -> int:
@@ -147,6 +155,12 @@ class StepSummary:
     @property
     def activation_bytes(self) -> int:
         return sum(p.activation_bytes for p in self.pieces)
+
+    def bytes_after(self, params) -> int | None:
+        """What the forward computes after the last read of any of ``params`` (item 9); None where it read none."""
+        after = dict(self.after_last_read)
+        known = [after[p] for p in params if p in after]
+        return min(known) if known else None
 
     @property
     def tensors(self) -> int:
@@ -236,7 +250,8 @@ def summarize(
     views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
     return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
                        caller_loss_bytes(computation, param_of_arg, precision), views,
-                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts)
+                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts,
+                       after_last_read=bytes_after_last_read(computation, param_of_arg))
 
 
 def returned_outputs(computation) -> list[TensorProxy]:
