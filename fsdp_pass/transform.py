@@ -80,8 +80,9 @@ class FSDP(Transform):
             repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
             list of modules / classes / names (explicit units), or ``BySize(max_bytes)``. Left out, the step
             model chooses them at the first compile (:mod:`fsdp_pass.plan.default_units`): the units with the
-            fastest predicted step for the other options as given, within the device's memory, starting from
-            ``"blocks"``'s; ``explain()`` prints the choice and why.
+            fastest predicted step for the other options as given whose predicted peak is no higher than
+            ``"blocks"``'s (memory first), starting from ``"blocks"``'s, from a step every rank agrees on
+            (:mod:`fsdp_pass.plan.planned_from`); ``explain()`` prints the choice, why, and what it traded.
         reshard_after_forward: None (ZeRO-3: every unit but the last one gathered, that one too where
             what the forward computes after it, e.g. a loss inside the model, outgrows it; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.
