@@ -35,6 +35,7 @@ from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forw
 
 from fsdp_pass.errors import check, fail
 from fsdp_pass.models.hf_tracing import trace_hf_models
+from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.decisions import settle_planning_inputs
 from fsdp_pass.plan.layout import ShardLayout
@@ -70,7 +71,8 @@ def functional_trace(model, *args, mixed_precision=None, **kwargs):
     args, kwargs = inputs_of_step(args, kwargs, precision)
     keep = _KeepTraces()
     jm = trace_hf_models(thunder.jit(model, transforms=[keep]))  # as FSDP: transformers 5's models
-    thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
+    with gc_guard():  # as FSDP's compiles (models/thunder_gc_guard.py)
+        thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     return keep.traces
 
 
