@@ -65,6 +65,11 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
 9. ``quantized`` (of the whole step): the gathers are 8-bit (``MixedPrecision.gather_dtype``): each holds its
    received codes beside the dequantized parameters at its dequantize.
 
+10. ``after_last_read`` (of the whole step): per parameter, the bytes the forward computes after its last read
+   (:func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`): ZeRO-3's last-unit rule where the step model
+   cannot price the units (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`) reads them here, from the summary
+   every rank plans from (:mod:`~fsdp_pass.plan.planned_from`), not from a rank's own trace.
+
 No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused
 (``fused_attention(bsym)``), so the planner can be tested on hand-made summaries.
 """
@@ -77,6 +82,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from fsdp_pass.ops.unshard import gathers_nothing
+from fsdp_pass.plan.computed_after import bytes_after_last_read
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.plan.op_tally import ops_by_piece, tensor_bytes
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
@@ -137,6 +143,8 @@ class StepSummary:
     tail_largest_bytes: int = 0
     tail_activation_bytes: int = 0
     quantized: bool = False  # 8-bit gathers (item 9): each piece's ``sent_bytes`` is its received codes and scales
+    # (parameter, bytes): what the forward computes after the parameter's last read (item 10)
+    after_last_read: tuple[tuple[str, int], ...] = ()
 
     @property
     def shard_bytes(self) -> int:
@@ -155,6 +163,12 @@ class StepSummary:
     @property
     def activation_bytes(self) -> int:
         return sum(p.activation_bytes for p in self.pieces)
+
+    def bytes_after(self, params) -> int | None:
+        """What the forward computes after the last read of any of ``params`` (item 9); None where it read none."""
+        after = dict(self.after_last_read)
+        known = [after[p] for p in params if p in after]
+        return min(known) if known else None
 
     @property
     def tensors(self) -> int:
@@ -246,7 +260,8 @@ def summarize(
     return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
                        caller_loss_bytes(computation, param_of_arg, precision), views,
                        tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts,
-                       quantized=precision.gather_dtype is not None)
+                       quantized=precision.gather_dtype is not None,
+                       after_last_read=bytes_after_last_read(computation, param_of_arg))
 
 
 def returned_outputs(computation) -> list[TensorProxy]:

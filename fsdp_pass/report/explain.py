@@ -231,6 +231,9 @@ class Explanation:
         # the plan's notes: ZeRO-3's last unit kept gathered into the backward or resharded, and why; units split
         # by dtype; parameters the forward never reads
         plan_notes = [f"note: {n}" for n in self.plan.notes]
+        # what the plan's decisions were made from: the step every rank agreed on at the first compile
+        if self.plan.planned_from is not None:
+            plan_notes.append(f"note: {self.plan.planned_from}")
         return [head, *(f"  {o}" for o in self.options), *format_table(cols, rows), *legend, *plan_notes]
 
     def _totals(self) -> list[str]:
