@@ -29,6 +29,12 @@ def _version() -> str:
 
 __version__ = _version()
 
+from fsdp_pass.shard import gloo_exit as _gloo_exit
+
+# At exit, wait until gloo's worker threads are idle (a rank aborted otherwise: see the module). Registered before the
+# rest is imported (it needs the standard library alone), so that the exit hooks of what it imports run before it.
+_gloo_exit.install()
+
 from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.plan.layout import ShardLayout
@@ -39,7 +45,7 @@ from fsdp_pass.plan.unit_policies import Blocks, BySize, Groups, PerParameter
 from fsdp_pass.plan.units import Unit, UnitPlan
 from fsdp_pass.report.explain import Explanation
 from fsdp_pass.shard.groups import fake_process_group
-from fsdp_pass.train.distributed_checkpoint import Resumed, load_checkpoint, save_checkpoint
+from fsdp_pass.train.distributed_checkpoint import CheckpointWarning, Resumed, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import GradNorms, clip_grad_norm_, grad_norms
 from fsdp_pass.train.grad_scaler import GradScaler
 from fsdp_pass.train.state_dicts import (
@@ -56,6 +62,7 @@ __all__ = [
     "FSDP",
     "Blocks",
     "BySize",
+    "CheckpointWarning",
     "Explanation",
     "FSDPError",
     "GradNorms",

@@ -23,7 +23,9 @@ from step 8. A run:
    parameters (the same windows each time, through the training step's forward: no second compile).
 5. A progress line every ``--log-every`` steps (:mod:`fsdp_pass.train.progress`: loss, val loss, tokens/s,
    ms/step, on CUDA the MFU), a checkpoint every ``--save-every`` steps (``fsdp_pass.save_checkpoint``: the
-   shards, the optimizer state, the schedule's state), a summary at the end.
+   shards, the optimizer state, the schedule's state; the last 2 saved are kept), a summary at the end.
+   ``--resume-step N`` goes back to step N's checkpoint instead of the newest (a rollback): its first save
+   moves the checkpoints of the abandoned run to ``--checkpoint-dir``'s ``abandoned-K`` folder, and says so.
 
 The losses do not depend on the world size (the global batch and its order are the same), so a run
 resumed at another world size goes on with the losses of the run that saved it (float32 sums in another
@@ -37,6 +39,7 @@ import argparse
 import contextlib
 import os
 import time
+import warnings
 
 import thunder
 import torch
@@ -47,7 +50,7 @@ from fsdp_pass.api import no_sync
 from fsdp_pass.errors import check
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.train.byte_model import byte_model
-from fsdp_pass.train.distributed_checkpoint import load_checkpoint, save_checkpoint
+from fsdp_pass.train.distributed_checkpoint import CheckpointWarning, load_checkpoint, save_checkpoint
 from fsdp_pass.train.grad_norm import clip_grad_norm_
 from fsdp_pass.train.grad_scaler import GradScaler
 from fsdp_pass.train.progress import LoopRun, Window, progress_line, summary_lines
@@ -91,11 +94,16 @@ def arguments(argv=None):
                        help="the device's matmul peak for the MFU (default: a table of GPUs; none on the CPU)")
     train.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest checkpoint")
     train.add_argument("--save-every", type=int, default=4)
+    train.add_argument("--resume-step", type=int, default=None,
+                       help="resume from this step's checkpoint, not the newest (a rollback: the next save moves "
+                       "the later checkpoints aside)")
     args = parser.parse_args(argv)
     for name in ("steps", "seq", "global_batch", "accumulate", "warmup", "eval_every", "eval_batches", "log_every",
                  "save_every"):
         check(getattr(args, name) >= 1, f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1.",
               f"Pass --{name.replace('_', '-')} 1 or more.")
+    check(args.resume_step is None or args.checkpoint_dir, f"--resume-step {args.resume_step} without a checkpoint "
+          "folder.", "Pass --checkpoint-dir, the folder that holds the checkpoint of that step.")
     return args
 
 
@@ -124,6 +132,43 @@ def _check_same_batches(saved: dict | None, args, path) -> None:
         + ", ".join(f"{k} {was!r} then, {is_!r} now" for k, (was, is_) in differ.items()) + ".",
         "Resume with the values it was saved with, or pass another --checkpoint-dir to start afresh.",
     )
+
+
+@contextlib.contextmanager
+def checkpoint_notes(say):
+    """What a save or a load did to the checkpoint folder besides the checkpoint (a ``CheckpointWarning`` on rank
+    0: checkpoints set aside after a rollback, leftovers of interrupted saves), said as lines of the loop's
+    output; other warnings go on as they would."""
+    caught = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            yield
+    finally:  # said also when the save or the load raised: a leftover named before a damaged checkpoint
+        for w in caught:
+            if issubclass(w.category, CheckpointWarning):
+                say(f"checkpoint: {w.message}")
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _resume(args, jm, opt, schedule, scaler, say) -> int:
+    """The step to start from: the newest checkpoint's in ``--checkpoint-dir`` (``--resume-step``'s), with the
+    schedule's and the scaler's state; 0 without one."""
+    with checkpoint_notes(say):
+        resumed = load_checkpoint(args.checkpoint_dir, jm, opt, step=args.resume_step)
+    if resumed is None:
+        return 0
+    _check_same_batches(resumed.extra.get("batches"), args, resumed.path)
+    schedule.load_state_dict(resumed.extra["schedule"])
+    if scaler.is_enabled() and resumed.extra.get("scaler"):
+        scaler.load_state_dict(resumed.extra["scaler"])
+    world = dist.get_world_size()
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    saved_by = resumed.extra["world_size"]
+    say(f"resumed from {resumed.path} (saved by {saved_by} rank{'s' if saved_by > 1 else ''}) at step "
+        f"{resumed.step}, on {ranks}")
+    return resumed.step
 
 
 def _micro_batches(windows: torch.Tensor, rank: int, world: int, accumulate: int, device) -> tuple:
@@ -210,17 +255,7 @@ def run_training(args, say=print) -> LoopRun:
         f"world size {world} ({dist.get_backend()}, {device.type})")
     say(f"data: {corpus.describe()}; {args.global_batch} x {args.seq} bytes per step")
 
-    start = 0
-    resumed = load_checkpoint(args.checkpoint_dir, jm, opt) if args.checkpoint_dir else None
-    if resumed is not None:
-        _check_same_batches(resumed.extra.get("batches"), args, resumed.path)
-        schedule.load_state_dict(resumed.extra["schedule"])
-        if scaler.is_enabled() and resumed.extra.get("scaler"):
-            scaler.load_state_dict(resumed.extra["scaler"])
-        start = resumed.step
-        ranks = f"{world} rank{'s' if world > 1 else ''}"
-        say(f"resumed from {resumed.path} (saved by {resumed.extra['world_size']} ranks) at step {start}, on {ranks}")
-
+    start = _resume(args, jm, opt, schedule, scaler, say) if args.checkpoint_dir else 0
     peak = peak_flops(device, DTYPES[args.param_dtype], args.peak_tflops)
     run = LoopRun(tokens_per_step=args.global_batch * args.seq)
     window, began = Window(), time.perf_counter()
@@ -245,7 +280,9 @@ def run_training(args, say=print) -> LoopRun:
         if args.checkpoint_dir and (step + 1) % args.save_every == 0:
             extra = {"schedule": schedule.state_dict(), "scaler": scaler.state_dict(), "world_size": world,
                      "batches": _batch_contract(args)}
-            say(f"saved {save_checkpoint(args.checkpoint_dir, jm, opt, step=step + 1, extra=extra, keep=2)}")
+            with checkpoint_notes(say):
+                path = save_checkpoint(args.checkpoint_dir, jm, opt, step=step + 1, extra=extra, keep=2)
+            say(f"saved {path}")
     if run.losses:
         run.val_losses[args.steps] = evaluate(model, jm, val, args, device)
         say(f"step {args.steps:4d}  val {run.val_losses[args.steps]:.4f}  (after the last step)")

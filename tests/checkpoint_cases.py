@@ -9,6 +9,7 @@ parameters), as real loops do.
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 import fsdp_pass
 from fsdp_pass import FSDP, FSDPError
 from fsdp_pass.train.checkpoint_manifest import MANIFEST_FILE, file_digests, write_manifest
-from fsdp_pass.train.distributed_checkpoint import complete_checkpoints, step_folder
+from fsdp_pass.train.checkpoint_folders import complete_checkpoints, step_folder
 from fsdp_pass.train.loop_state import LOOP_FILE
 from tests import models
 from tests.rank_cases import _local
@@ -224,7 +225,7 @@ def interrupted_save_and_misuse(
         out["failed_save"] = f"{type(e).__name__}: {e}"
     finally:
         FileSystemWriter.write_data = real_write
-    out["complete_steps"] = [step for step, _ in complete_checkpoints(directory)]
+    out["complete_steps"] = [c.step for c in complete_checkpoints(directory)]
     # loaded after a backward, into an optimizer that never stepped: its state is made anyway, the gradients kept
     x, y = models.batch(model_name, GLOBAL_BATCH, 0)
     world_size = dist.get_world_size()
@@ -302,9 +303,10 @@ def _plant_code_in_loop_file(folder: Path, marker: Path) -> None:
     folder's would be, so only the way loop.pt is read stands between it and every rank."""
     planted = {"step": 2, "extra": RunsCode(str(marker)), "world_size": 2}
     _on_rank0_then_wait(lambda: torch.save(planted, folder / LOOP_FILE))
-    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
-    digests = file_digests(folder, names, dist.group.WORLD)
-    _on_rank0_then_wait(lambda: write_manifest(folder, digests))
+    record = json.loads((folder / MANIFEST_FILE).read_text())
+    digests = file_digests(folder, sorted(record["files"]), dist.group.WORLD)
+    saved_as = {key: record[key] for key in ("step", "sequence", "parent")}
+    _on_rank0_then_wait(lambda: write_manifest(folder, digests, **saved_as))
 
 
 def damaged_and_foreign_checkpoints(jm, model_name: str, optimizer: str, directory: str, k: int, at_save: dict):
@@ -335,7 +337,7 @@ def damaged_and_foreign_checkpoints(jm, model_name: str, optimizer: str, directo
     out["extra_error"] = _error_of(
         lambda: fsdp_pass.save_checkpoint(directory, jm, fresh, step=k + 7, extra=refused_extra)
     )
-    out["steps_after_refused_extra"] = [step for step, _ in complete_checkpoints(directory)]
+    out["steps_after_refused_extra"] = [c.step for c in complete_checkpoints(directory)]
 
     marker = directory / "code-ran"
     _plant_code_in_loop_file(step_folder(directory, k), marker)
@@ -368,3 +370,50 @@ def run_loop(argv: list[str]) -> dict[int, float]:
     from fsdp_pass import loop
 
     return loop.train(loop.arguments(argv), say=lambda *a, **k: None)
+
+
+def rank_extra(rank: int) -> dict:
+    """What a loop keeps per rank (its data loader's position, its random generator's state: they differ by rank)
+    beside what every rank shares (the schedule's state)."""
+    return {
+        "data": {"offset": 1000 * rank + 7},
+        "rng": torch.Generator().manual_seed(rank).get_state(),
+        "schedule": {"last_epoch": 3},
+    }
+
+
+def _unrun_mlp(seed: int):
+    """An MLP sharded and never run (loading and saving compile nothing), its weights drawn from ``seed``."""
+    torch.manual_seed(seed)
+    jm = _jit_module(models.MLP(hidden=48), "zero3")
+    return jm, make_optimizer(jm, "adamw")
+
+
+def save_per_rank_extras(directory: str):
+    """Saved twice at this world size: with each rank's own extra (``own``) and with one extra on every rank
+    (``same``); both loaded back by a restarted run (other weights)."""
+    rank, directory = dist.get_rank(), Path(directory)
+    jm, opt = _unrun_mlp(seed=0)
+    own = fsdp_pass.save_checkpoint(directory / "own", jm, opt, step=3, extra=rank_extra(rank))
+    same = fsdp_pass.save_checkpoint(directory / "same", jm, opt, step=3, extra=rank_extra(0))
+    files = {label: sorted(f.name for f in path.iterdir()) for label, path in (("own", own), ("same", same))}
+    out = {"state_at_save": whole_state(jm, opt), "files": files}
+    again, opt = _unrun_mlp(seed=1)
+    out["own_extra"] = fsdp_pass.load_checkpoint(directory / "own", again, opt).extra
+    out["state_at_load"] = whole_state(again, opt)
+    out["same_extra"] = fsdp_pass.load_checkpoint(directory / "same", again, opt).extra
+    return out
+
+
+def load_per_rank_extras_elsewhere(directory: str):
+    """``save_per_rank_extras``'s checkpoints loaded at another world size: the per-rank one refused, then loaded
+    with ``per_rank_extra="all"``; the one with the same extra on every rank loaded as it is."""
+    directory = Path(directory)
+    jm, opt = _unrun_mlp(seed=1)
+    before = _full_params(jm)
+    out = {"own_error": _error_of(lambda: fsdp_pass.load_checkpoint(directory / "own", jm, opt))}
+    out["loaded_nothing"] = _same(before, _full_params(jm))
+    out["all_extras"] = fsdp_pass.load_checkpoint(directory / "own", jm, opt, per_rank_extra="all").extra
+    out["state_at_load"] = whole_state(jm, opt)
+    out["same_extra"] = fsdp_pass.load_checkpoint(directory / "same", jm, opt).extra
+    return out

@@ -12,6 +12,7 @@ import torch
 
 from fsdp_pass import MixedPrecision
 from fsdp_pass.train.loop_state import refused_part
+from fsdp_pass.train.rank_extras import first_difference, value_digest
 from tests import checkpoint_cases
 
 TOL = 1e-6  # another world size sums the same gradients in another order
@@ -263,3 +264,60 @@ def test_extra_accepted_is_what_weights_only_loads(label):
 def test_extra_refused_is_what_weights_only_refuses_named_by_its_path(label):
     value, named = REFUSED[label]
     assert refused_part(value) == named and not _loads_without_code(value)
+
+
+def test_each_rank_gets_its_own_extra_back_and_another_world_size_needs_a_rule(ranks, tmp_path):
+    """Saved at world 2 with extras that differ by rank: each rank's own is written (extra-0000r.pt) and comes back
+    to it, bitwise; one extra for every rank is written once. At world 4 the per-rank extras are an FSDPError naming
+    the first difference, and nothing is loaded; with per_rank_extra='all' every rank gets the 2 saved extras; the
+    model and optimizer state load as saved (the manifest of this format, at another world size)."""
+    saved = ranks(2).run(checkpoint_cases.save_per_rank_extras, str(tmp_path))
+    own_files, same_files = saved[0]["files"]["own"], saved[0]["files"]["same"]
+    assert {"extra-00000.pt", "extra-00001.pt"} <= set(own_files), own_files
+    assert not any(name.startswith("extra-") for name in same_files), same_files
+    for rank, r in enumerate(saved):
+        assert same_nested(r["own_extra"], checkpoint_cases.rank_extra(rank)), (rank, r["own_extra"])
+        assert same_nested(r["same_extra"], checkpoint_cases.rank_extra(0))
+    assert same_nested(saved[0]["state_at_load"], saved[0]["state_at_save"])
+
+    elsewhere = ranks(4).run(checkpoint_cases.load_per_rank_extras_elsewhere, str(tmp_path))
+    for r in elsewhere:
+        error = r["own_error"]
+        assert "saved by 2 ranks whose extras differ (extra['data']['offset'] on rank 1 differs" in error, error
+        assert "at world size 4 no rank's extra is its own" in error and "per_rank_extra='all'" in error, error
+        assert r["loaded_nothing"]
+        assert len(r["all_extras"]) == 2
+        assert all(same_nested(r["all_extras"][i], checkpoint_cases.rank_extra(i)) for i in range(2))
+        assert same_nested(r["same_extra"], checkpoint_cases.rank_extra(0))
+    assert same_nested(elsewhere[0]["state_at_load"], saved[0]["state_at_save"])
+
+
+def _round_trip(value):
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("label", sorted(ACCEPTED))
+def test_extras_compare_by_value_what_a_save_and_a_load_keep(label):
+    """The ranks' extras compare by value_digest: an extra and its round trip through torch.save and a
+    weights_only load are the same."""
+    value = ACCEPTED[label]
+    assert value_digest(_round_trip(value)) == value_digest(value) and first_difference(value, value) is None
+
+
+def test_the_first_difference_between_two_extras_is_named_by_its_path():
+    a = {"data": {"offset": 7, "seen": [1, 2]}, "rng": torch.zeros(4, dtype=torch.uint8), "on": {1, 2}}
+    changed = {
+        "extra['data']['offset']": {**a, "data": {"offset": 8, "seen": [1, 2]}},
+        "extra['data']['seen'][0]": {**a, "data": {"offset": 7, "seen": [True, 2]}},  # True == 1, not the same
+        "extra['rng']": {**a, "rng": torch.tensor([0, 0, 0, 1], dtype=torch.uint8)},
+        "extra['on']": {**a, "on": {1, 3}},
+        "the keys of extra": {k: v for k, v in a.items() if k != "on"} | {"off": {1, 2}},
+    }
+    for path, b in changed.items():
+        assert first_difference(a, b) == path and value_digest(a) != value_digest(b), path
+    reordered = {"on": {2, 1}, "rng": a["rng"].clone(), "data": {"seen": [1, 2], "offset": 7}}
+    assert value_digest(reordered) == value_digest(a)  # dicts and sets whatever their order
+    assert value_digest(torch.tensor(0.0)) != value_digest(torch.tensor(-0.0))  # tensors bitwise

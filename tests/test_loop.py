@@ -3,9 +3,12 @@ ranks: a tiny built-in model learns a text sample on 2 ranks, and a run resumed 
 checkpoint goes on with their losses. Two compiles in all (one per world size: no accumulation), of a one-layer
 model: Thunder's tracing time grows with the layers, and the loop is the same for any depth."""
 
+import warnings
+
 import pytest
 import torch
 
+from fsdp_pass import CheckpointWarning, loop
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.models import zoo
 from fsdp_pass.train import text_data
@@ -186,8 +189,22 @@ def test_float16_scales_the_loss_and_skips_the_steps_that_overflow(runs):
 
 
 def test_counts_below_one_are_refused_before_anything_runs():
-    from fsdp_pass import loop
-
     with pytest.raises(FSDPError, match="--warmup 0: must be at least 1"):
         loop.arguments(["--warmup", "0"])
     assert loop.arguments([]).model == "bench"
+
+
+def test_what_a_save_or_load_did_to_the_folder_is_a_line_of_the_loops_output():
+    """checkpoint_notes says each CheckpointWarning (rank 0's: a rollback's checkpoints set aside, leftovers), also
+    when the save or the load then raised; other warnings go on as warnings."""
+    lines = []
+    with pytest.raises(FSDPError), warnings.catch_warnings(record=True) as other:
+        warnings.simplefilter("always")
+        with loop.checkpoint_notes(lines.append):
+            warnings.warn("ckpt/.step-00000012.partial is a save of step 12 that did not finish", CheckpointWarning)
+            warnings.warn("something else", DeprecationWarning)
+            raise FSDPError("The checkpoint ckpt/step-00000008 is damaged")
+    assert lines == ["checkpoint: ckpt/.step-00000012.partial is a save of step 12 that did not finish"]
+    assert [str(w.message) for w in other] == ["something else"]
+    with pytest.raises(FSDPError, match="--resume-step 8 without a checkpoint folder"):
+        loop.arguments(["--resume-step", "8"])

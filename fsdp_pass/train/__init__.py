@@ -8,7 +8,11 @@ and checkpoints between steps.
   :mod:`~fsdp_pass.train.optimizer_state` (optimizer state by parameter name);
 - :mod:`~fsdp_pass.train.distributed_checkpoint`: ``save_checkpoint`` / ``load_checkpoint``, folders of
   ``torch.distributed.checkpoint`` files, one per step, complete or absent, loadable at any world size; each
-  checked before anything is loaded: its files against :mod:`~fsdp_pass.train.checkpoint_manifest` (sizes,
-  sha256), its keys and shapes against the model's (:mod:`~fsdp_pass.train.checkpoint_fit`), its loop state
-  read without running code (:mod:`~fsdp_pass.train.loop_state`).
+  checked before anything is loaded: its files against :mod:`~fsdp_pass.train.checkpoint_manifest` (the
+  save's sequence, sizes, sha256), its keys and shapes against the model's
+  (:mod:`~fsdp_pass.train.checkpoint_fit`), its loop state read without running code
+  (:mod:`~fsdp_pass.train.loop_state`), each rank's extra by :mod:`~fsdp_pass.train.rank_extras`' rule. Rank 0's
+  file work: :mod:`~fsdp_pass.train.checkpoint_folders` (names, the order of saves, leftovers) and
+  :mod:`~fsdp_pass.train.checkpoint_publish` (the renames that publish, a rollback's checkpoints set aside,
+  ``keep``).
 """
