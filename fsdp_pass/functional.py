@@ -6,8 +6,10 @@
         forward, backward = derive_backward_and_lower(sharded, plan)           # autodiff, lowering, stages 5-7
 
 The stages are those of :mod:`fsdp_pass.pipeline`, the ones the ``FSDP`` transform runs: the traces come
-out the same as ``thunder.jit(model, transforms=[FSDP(...)])`` makes them. No module is changed and
-nothing is communicated: the traces show what every rank would run.
+out the same as ``thunder.jit(model, transforms=[FSDP(...)])`` makes them. No module is changed and, under a fake
+group, nothing is communicated: the traces show what every rank would run. Given a real group of several ranks,
+``shard_functional_trace`` is collective: the ranks agree on what they plan from, as the transform's first compile
+does (:mod:`fsdp_pass.plan.decisions`), and the traces run on them.
 
 Mixed precision acts where Thunder traces the module (its parameters in ``param_dtype``, its floating inputs cast
 to it), so a trace for ``mixed_precision=`` is made with it: ``functional_trace(model, x,
@@ -35,6 +37,7 @@ from fsdp_pass.errors import check, fail
 from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
+from fsdp_pass.plan.decisions import settle_planning_inputs
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision, resolve_mixed_precision, traced_dtype
 from fsdp_pass.plan.module_tree import ModuleTree
@@ -43,7 +46,7 @@ from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
-from fsdp_pass.shard.forward_inputs import inputs_of_step
+from fsdp_pass.shard.forward_inputs import cast_inputs_at_blocks, inputs_of_step
 from fsdp_pass.shard.mesh import RankGroups, resolve_groups
 from fsdp_pass.shard.module import ShardedModel
 
@@ -61,10 +64,12 @@ def functional_trace(model, *args, mixed_precision=None, **kwargs):
 
     ``mixed_precision`` (a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision` or a dtype): trace it as the
     ``FSDP`` transform does under that setting, on a copy of ``model`` whose floating parameters are in
-    ``param_dtype``, with the floating inputs cast to it (unless ``cast_forward_inputs=False``)."""
+    ``param_dtype``, with the floating inputs cast to it, the model's and its repeated blocks' (unless
+    ``cast_forward_inputs=False``)."""
     precision = resolve_mixed_precision(mixed_precision)
     if precision.param_dtype is not None:
         model = _with_parameters_traced_as(model, precision)
+        cast_inputs_at_blocks(model, precision)  # on the copy, as FSDP on the module it shards
     args, kwargs = inputs_of_step(args, kwargs, precision)
     keep = _KeepTraces()
     jm = trace_hf_models(thunder.jit(model, transforms=[keep]))  # as FSDP: transformers 5's models
@@ -129,6 +134,11 @@ def shard_functional_trace(
     ``executors``: the list the trace will be lowered with (:func:`derive_backward_and_lower`'s, the CPU's when
     left out): the plan's step summary reads which attentions it runs as one kernel (on the CPU,
     ``cpu_attention``'s flash kernel, which keeps no b·h·s·s scores for the backward).
+
+    Over a real group of several ranks (not the fake one) the call is collective, as ``FSDP``'s first compile is:
+    every rank calls it with its own trace, and they agree on the cost inputs (rank 0's) and on the step they plan
+    from (:mod:`~fsdp_pass.plan.planned_from`), so every rank's traces issue the same collectives whatever the
+    shapes each traced.
     """
     check(
         dist.is_initialized(),
@@ -151,6 +161,7 @@ def shard_functional_trace(
     sharding = sharding_of_trace(prologue, computation, groups.shard, fsdp.strategy, stored)
     sharded = ShardedModel(sharding, groups, tree)
     executors = tuple(executors if executors is not None else executors_for("cpu"))
+    fsdp = settle_planning_inputs(fsdp, None, groups.everyone)  # the CPU's defaults unless cost= says otherwise
     _, computation, plan, planned = rewrite_forward(prologue, computation, sharded, fsdp, executors=executors)
     # the options the plan was made with (the auto plan's under "auto"): the lowering's stages read them, as the
     # transform's do from its CompiledStep

@@ -7,11 +7,12 @@ Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forwa
                and the failures of tracing are checked where the call enters, :mod:`fsdp_pass.shard.input_checks`);
   1. plan      which parameters are gathered together, which units reshard after forward, which are
                checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
-               auto planner chooses the units, their resharding and the prefetch depth first
-               (:func:`~fsdp_pass.plan.auto_options.options_from_auto_plan`), from the trace's summary
-               that every plan keeps (``plan.summary``, what :mod:`~fsdp_pass.plan.price_plan` prices); with
-               ``units=`` left out, the step model chooses the units from the same summary
-               (:func:`~fsdp_pass.plan.default_units.options_with_chosen_units`);
+               auto planner chooses the units, their resharding and the prefetch depth first, with ``units=``
+               left out the step model chooses the units (:func:`~fsdp_pass.plan.decisions.decided_options`).
+               Every decision reads the step summary every rank plans from, agreed at the model's first compile
+               (:mod:`~fsdp_pass.plan.planned_from`: one collective there, where the group has peers) and kept
+               with the first plan for later compiles; the plan keeps its own trace's summary too
+               (``plan.summary``, what :mod:`~fsdp_pass.plan.price_plan` prices);
   2. shard     the prologue expects the shards (:func:`~fsdp_pass.shard.prologue.shard_prologue`); the
                module itself was sharded once, when the transform was applied (:mod:`fsdp_pass.shard.module`);
   3. insert    one ``unshard_unit`` per unit before its first use
@@ -56,10 +57,11 @@ from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.units_of_collectives import units_of_collectives
-from fsdp_pass.plan.auto_options import options_from_auto_plan, step_summary
-from fsdp_pass.plan.default_units import ChosenUnits, StepModelUnits, options_with_chosen_units
+from fsdp_pass.plan.auto_options import step_summary
+from fsdp_pass.plan.decisions import decided_options
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.plan_units import plan_units
+from fsdp_pass.plan.planned_from import agree_on_step
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
@@ -68,6 +70,7 @@ from fsdp_pass.shard.index_inputs import check_index_inputs
 from fsdp_pass.shard.module import ShardedModel
 from fsdp_pass.shard.prologue import shard_prologue
 from fsdp_pass.verify.collective_lifetimes import check_collective_lifetimes
+from fsdp_pass.verify.rank_differences import plan_lines
 from fsdp_pass.verify.same_collectives_on_all_ranks import (
     insert_step_check,
     record_step_collectives,
@@ -75,27 +78,24 @@ from fsdp_pass.verify.same_collectives_on_all_ranks import (
 
 
 def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOptions, grad_sync=(REDUCE, None),
-                    executors=(), argument_names: tuple[str, ...] = ()):
+                    executors=(), argument_names: tuple[str, ...] = (), first: UnitPlan | None = None):
     """Stages 1-3 on Thunder's prologue and functional forward trace: ``(prologue, computation, plan, options)``,
     the last the options the plan was made with (the auto plan's, under ``FSDP("auto")``; else ``options``).
 
     ``grad_sync``: ``(mode, accumulators)``, the gradient-sync mode of :mod:`fsdp_pass.ops.grad_accumulation`
     this compile is for (``accumulators`` None: no ``no_sync`` check in the prologue); ``executors``: Thunder's
     executor list for this compile (the step summary reads which attentions run fused); ``argument_names``: the
-    forward's positional parameter names (for the errors of stage 0).
+    forward's positional parameter names (for the errors of stage 0); ``first``: the plan of the model's first
+    compile, whose decisions a later compile keeps (None: this is the first, and every rank of the model makes it:
+    the ranks agree on the step they plan from here).
     """
     check_index_inputs(prologue, computation, argument_names)
     param_of_arg = parameter_names_of_args(prologue, computation)
     summary = step_summary(computation, param_of_arg, model, options, executors)
-    auto = choice = None
-    if options.auto is not None:
-        options, auto = options_from_auto_plan(summary, model, options)
-    elif isinstance(options.unit_policy, StepModelUnits):
-        options, choice = options_with_chosen_units(summary, model, options)
-    elif isinstance(options.unit_policy, ChosenUnits):  # a later compile: the first compile's choice, kept
-        choice = options.unit_policy.choice
-    plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree, summary)
-    plan = replace(plan, auto=auto, summary=summary, units_choice=choice)
+    planned_from = first.planned_from if first is not None else agree_on_step(summary, model.groups.everyone)
+    options, auto, choice = decided_options(planned_from, model, options, first)
+    plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree, planned_from.summary)
+    plan = replace(plan, auto=auto, summary=summary, units_choice=choice, planned_from=planned_from)
     prologue = shard_prologue(prologue, model.sharding, model.placed_on, grad_sync)
     offloaded = options.offload_to is not None
     computation = insert_unshards(
@@ -136,7 +136,7 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
     if options.check_finite and step_key is not None:
         trace = insert_finite_checks(trace, phase, plan, group, step_key, scope)
     if options.verify_ranks and step_key is not None and has_peers(group):
-        record_step_collectives(step_key, group, phase, trace, found, scope)
+        record_step_collectives(step_key, group, phase, trace, found, scope, plan_lines(plan, options))
         if phase == "forward":
             trace = insert_step_check(trace, step_key)
     trace = annotate_collectives(trace, plan, found)

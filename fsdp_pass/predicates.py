@@ -128,7 +128,7 @@ def is_unpack_gathered(bsym) -> bool:
 
 
 def is_quantize_shard(bsym) -> bool:
-    """The packed shard quantized into the uint8 buffer of codes and scales its all-gather moves."""
+    """This rank's shards quantized into its slice of the uint8 buffer of codes and scales its all-gather fills."""
     return _id(bsym) in _QUANTIZE_SHARD
 
 

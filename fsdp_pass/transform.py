@@ -17,7 +17,6 @@ Each compile is kept as one frozen :class:`~fsdp_pass.compiled_step.CompiledStep
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import thunder
 from thunder.core.trace import TraceTag
@@ -30,17 +29,16 @@ from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.op_names import COMM_EXECUTOR
 from fsdp_pass.ops.grad_accumulation import GradAccumulators
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
-from fsdp_pass.plan.auto_options import agreed_settings
+from fsdp_pass.plan.decisions import settle_planning_inputs
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
-from fsdp_pass.plan.default_units import StepModelUnits
 from fsdp_pass.plan.price_plan import price_plan
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
-from fsdp_pass.shard.forward_inputs import check_and_cast_inputs_on_call
+from fsdp_pass.shard.forward_inputs import cast_inputs_at_blocks, check_and_cast_inputs_on_call
 from fsdp_pass.shard.global_view import gather_full
 from fsdp_pass.shard.input_checks import positional_names
 from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
@@ -82,8 +80,9 @@ class FSDP(Transform):
             repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
             list of modules / classes / names (explicit units), or ``BySize(max_bytes)``. Left out, the step
             model chooses them at the first compile (:mod:`fsdp_pass.plan.default_units`): the units with the
-            fastest predicted step for the other options as given, within the device's memory, starting from
-            ``"blocks"``'s; ``explain()`` prints the choice and why.
+            fastest predicted step for the other options as given whose predicted peak is no higher than
+            ``"blocks"``'s (memory first), starting from ``"blocks"``'s, from a step every rank agrees on
+            (:mod:`fsdp_pass.plan.planned_from`); ``explain()`` prints the choice, why, and what it traded.
         reshard_after_forward: None (ZeRO-3: every unit but the last one gathered, that one too where
             what the forward computes after it, e.g. a loss inside the model, outgrows it; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.
@@ -95,9 +94,10 @@ class FSDP(Transform):
             unit), or a function ``Unit -> bool``. The recomputation reads the gather the backward
             does anyway: no extra collective.
         mixed_precision: None (no casts), a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, or a
-            dtype (gather and compute in it, reduce in float32), with FSDP2's semantics: the module is traced
-            with its parameters in ``param_dtype`` and its floating inputs cast to it, its own casts as written,
-            its buffers as defined. The shards stay in their dtype: the optimizer steps on them as master
+            dtype (gather and compute in it, reduce in float32), with FSDP2's semantics on the root and each
+            repeated block: the module is traced with its parameters in ``param_dtype`` and the floating inputs of
+            the model and of each block cast to it, its own casts as written, its buffers as defined (where and
+            why it differs from FSDP2: :mod:`~fsdp_pass.plan.mixed_precision`). The shards stay in their dtype: the optimizer steps on them as master
             weights. float16 wants :class:`fsdp_pass.GradScaler`.
         offload_to: None, or the device the shards, their gradients (and so the optimizer state) live
             on between uses, e.g. ``"cpu"``: each unit's shards are copied to ``device`` right before
@@ -166,6 +166,7 @@ class FSDP(Transform):
         self.accumulators = GradAccumulators()  # what no_sync() accumulates for this transform's model
         self.model: ShardedModel | None = None  # set once the module is sharded
         self.compiled_step: CompiledStep | None = None  # the latest compile
+        self.first_plan = None  # the first compile's UnitPlan: the step every rank planned from, and the decisions
         self.argument_names: tuple[str, ...] = ()  # the module's positional forward parameters
 
     def __repr__(self) -> str:
@@ -215,12 +216,9 @@ class FSDP(Transform):
         )
         self.argument_names = positional_names(model._model)  # for the errors that name an input
         check_and_cast_inputs_on_call(model, self)
-        if self.options.auto is not None:  # every rank plans from rank 0's cost inputs and budget
-            settings = agreed_settings(self.options.auto, self.model.device, groups.everyone)
-            self.options = replace(self.options, auto=settings)
-        elif isinstance(self.options.unit_policy, StepModelUnits):  # the same cost inputs and budget on every rank
-            policy = self.options.unit_policy.settled(self.model.device, groups.everyone)
-            self.options = replace(self.options, unit_policy=policy)
+        cast_inputs_at_blocks(model._model, self.options.mixed_precision)  # as FSDP2 at each module it wraps
+        # every rank plans from rank 0's cost inputs and budget
+        self.options = settle_planning_inputs(self.options, self.model.device, groups.everyone)
         model._fsdp_pass_plan = self.model.sharding
         remember_shards(model, self.model, released=self.release_original_parameters)
         install_state_dict_methods(model, self)
@@ -230,11 +228,11 @@ class FSDP(Transform):
         grad_sync = (self.accumulators.mode(), self.accumulators)
         prologue_trace, computation_trace, plan, options = rewrite_forward(
             prologue_trace, computation_trace, self.model, self.options, grad_sync, kwargs.get("executors_list", ()),
-            self.argument_names,
+            self.argument_names, self.first_plan,
         )
         self.compiled_step = CompiledStep(plan, options)
-        if isinstance(self.options.unit_policy, StepModelUnits):  # later compiles keep the units chosen now
-            self.options = replace(self.options, unit_policy=options.unit_policy)
+        if self.first_plan is None:  # every rank's first compile: later ones (one rank's alone) keep its decisions
+            self.first_plan = plan
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):

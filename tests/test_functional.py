@@ -117,7 +117,7 @@ _SLOW_LINK = replace(DEFAULTS["h100-nvlink"], link=LinkCost(0.0, 1e7), flops_per
 
 
 def test_the_functional_path_schedules_with_the_auto_plans_prefetch_depths_as_fsdp_does():
-    """FSDP("auto") schedules its step with the plan's prefetch depths (options_from_auto_plan); so does the
+    """FSDP("auto") schedules its step with the plan's prefetch depths (options_of_auto_plan); so does the
     functional path, with the options shard_functional_trace made the plan with: the same final traces."""
     x, _ = models.batch("llama_gqa", 2, 0)
     auto = dict(cost=_SLOW_LINK, memory_budget="28KiB")

@@ -8,7 +8,8 @@ those of :mod:`fsdp_pass.ops.flat_buffers`, which no fusion executor absorbs):
   2. ``all_gather`` of that buffer (async; in place around the packed slice) and its ``wait``;
   3. ``unpack_gathered``: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
   Over one rank (:func:`gathers_nothing`) steps 1-3 are one ``view_shards``: the parameters are views of the shards.
-  Quantized (``gather_dtype``): the packed shard is quantized before the all-gather and dequantized after it
+  Quantized (``gather_dtype``): step 1 is ``quantize_shard``, the shards quantized straight into this rank's slice
+  of the gathered buffer (no packed copy), and the gathered codes are dequantized before step 3
   (:mod:`fsdp_pass.ops.quantized_gather`); the gradient rule below is the same, so the gradients of the
   dequantized parameters reach the shards unchanged (straight-through).
 

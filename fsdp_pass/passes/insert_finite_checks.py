@@ -8,7 +8,8 @@ of a unit's buffer has one flag per parameter, so the error names the parameter 
 
 1. Forward, per unit: after its ``pack_shards``, a check of the packed shard, one flag per parameter's segment (its
    parameters as this rank sends them: the gathered parameters are every rank's packed shard side by side, so each
-   rank checking its own covers them all and says which rank's shard holds the NaN). An offloaded unit's packed
+   rank checking its own covers them all and says which rank's shard holds the NaN). An 8-bit gather has no packed
+   shard: after its ``quantize_shard``, a check of the shards it quantized, one flag each. An offloaded unit's packed
    shard is the host-to-device copy's output: the check reads it after the copy (on the copy's stream, on CUDA).
    ZeRO-3's second gather, in the backward, is not checked again. A unit whose gather is its shards themselves (one
    rank: :func:`~fsdp_pass.ops.unshard.gathers_nothing`) has its ``view_shards`` in place of the pack: its
@@ -61,6 +62,7 @@ from fsdp_pass.predicates import (
     is_input_unpacking,
     is_pack_grads,
     is_pack_shards,
+    is_quantize_shard,
     is_return,
     is_unit_op,
     is_unpack_gathered,
@@ -105,6 +107,9 @@ def _buffer_checks(bsyms, phase: str, plan: UnitPlan) -> list[tuple[int, FiniteC
         elif phase == "forward" and is_view_shards(b):
             names = _shard_names(plan, b.args[0])
             found.append((i, FiniteCheck(unit, PARAMETERS, phase, names), _tensors(b), (EACH,) if names else None))
+        elif phase == "forward" and is_quantize_shard(b):  # the shards it read, one flag each (its output is codes)
+            names = _shard_names(plan, b.args[0])
+            found.append((i, FiniteCheck(unit, PARAMETERS, phase, names), list(b.args[0]), (EACH,) if names else None))
         elif phase == "backward" and is_pack_grads(b):
             _, _, full_shapes, world, _, _ = b.args
             names = _trainable(plan, unit, full_shapes, sharded=False)

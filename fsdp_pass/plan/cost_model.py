@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fsdp_pass.errors import check
 from fsdp_pass.op_names import ALL_REDUCE, CollectiveKind
 
@@ -161,3 +163,12 @@ DEFAULTS = {
         op_s=3.05e-6, memory_bytes_per_s=30.3e9, optimizer_tensor_s=83.7e-6, optimizer_bytes_per_s=1.1e9,
     ),
 }
+
+
+def device_defaults(device) -> tuple[CostInputs, int | None]:
+    """The cost inputs and the memory budget of the device a step computes on (None: the CPU): ``h100-nvlink`` and
+    the CUDA device's memory; else ``cpu-gloo`` and no bound (the CPU, the meta device of a dry run)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return DEFAULTS["h100-nvlink"], torch.cuda.get_device_properties(device).total_memory
+    return DEFAULTS["cpu-gloo"], None

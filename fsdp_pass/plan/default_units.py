@@ -8,23 +8,27 @@ ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md
    defaults of the device the parameters are on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), the budget
    the CUDA device's memory (no bound on the CPU); with peers, every rank takes rank 0's, so every rank plans
    from the same numbers (a probe or a device's memory could differ between ranks by a little).
-2. At the first compile (:func:`choose_units`), from the step summary every compile makes anyway (no trace
-   more): only the units are chosen. Strategy, ``reshard_after_forward``, the schedule's prefetch depth,
-   checkpointing and offload stay what the user asked, and the step model prices each set of units with them.
-   From one unit per block, greedily, each step takes the merge of two neighbouring units or the split of a
-   unit at one of its pieces that shortens the predicted step most (fitting the budget first), until none
-   does; moves that together shorten it by less than 2 % are given up for one unit per block (the model
-   cannot promise so little). The search is the auto planner's: :mod:`fsdp_pass.plan.unit_search`.
+2. At the first compile (:func:`choose_units`), from the step summary every rank plans from
+   (:mod:`~fsdp_pass.plan.planned_from`): only the units are chosen. Strategy, ``reshard_after_forward``, the
+   schedule's prefetch depth, checkpointing and offload stay what the user asked, and the step model prices each
+   set of units with them. Memory first: FSDP is chosen to save memory, and memory the user did not offer is not
+   spent (it may be meant for a larger batch), so the units must predict a peak no higher than one unit per
+   block's (nor than the device's memory). Within that, from one unit per block, greedily, each step takes the
+   merge of two neighbouring units or the split of a unit at one of its pieces that shortens the predicted step
+   most, until none does: merges of small pieces that raise no peak are taken. Moves that together shorten it by
+   less than 2 % are given up for one unit per block (the model cannot promise so little). The search is the auto
+   planner's: :mod:`fsdp_pass.plan.unit_search`; ``FSDP("auto", memory_budget=...)`` spends a budget for speed.
 3. Plans the step model cannot price keep one unit per block, with the reason: a schedule that is not a
    prefetch depth (``schedule=None``, ``max_unused_bytes``, ``prefetch_by_unit``), a
    ``reshard_after_forward`` or ``checkpoint_activations`` that is a function of the unit (it reads names the
    merged units would not have).
-4. The choice is a pure function of the summary, the options and the settled cost inputs and budget: the same
-   on every rank that traced the same step. The transform keeps the first compile's units for later compiles
-   of the model (another input shape, ``no_sync``), so they do not plan again.
+4. The choice is a pure function of the summary, the options and the settled cost inputs and budget, so the same
+   on every rank. The transform keeps the first compile's choice for later compiles of the model (another input
+   shape, ``no_sync``), so they do not plan again (:mod:`~fsdp_pass.plan.decisions`).
 
-``explain()`` prints the choice and why (:class:`UnitsChoice`): the units, the predicted step against one unit
-per block's.
+``explain()`` prints the choice and why (:class:`UnitsChoice`): the units, the predicted step and peak against one
+unit per block's, and what memory first gave up: the fastest units the search finds without the bound, their step
+and peak.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
+from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, device_defaults
 from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction, ms, predict
 from fsdp_pass.plan.step_summary import StepSummary
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.plan.last_unit import zero3_reshards
-from fsdp_pass.plan.unit_search import NO_MOVE, Priced, greedy_units, unit_names
+from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, greedy_units, unit_names
 from fsdp_pass.report.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
@@ -60,8 +64,6 @@ class StepModelUnits:
     def settled(self, device, group) -> StepModelUnits:
         """The cost inputs and budget filled in from ``device`` (the user's ``cost=`` first), rank 0's on every
         rank of ``group`` (collective, when the group has peers)."""
-        from fsdp_pass.plan.auto_options import device_defaults  # auto_options imports options, which imports us
-
         default_cost, budget = device_defaults(device)
         chosen = (self.cost or default_cost, budget)
         if has_peers(group):
@@ -91,14 +93,35 @@ class UnitsChoice:
     names: tuple[str, ...]
     groups: tuple[tuple[str, tuple[str, ...]], ...]  # (unit name, parameter names) per unit, forward order
     cost: CostInputs
-    budget: int | None
+    budget: int | None  # the device's memory (None: no bound, the CPU)
     reasons: tuple[str, ...]
     prediction: Prediction | None = None  # None: not priced, one unit per block
     blocks: Prediction | None = None  # one unit per block, priced the same way
+    # the fastest units the search finds within the device's memory alone, where they peak above one unit per
+    # block (what memory first gave up), and how many units they are
+    fastest: Prediction | None = None
+    fastest_units: int = 0
 
     @property
     def kept_blocks(self) -> bool:
         return self.prediction is None or self.prediction == self.blocks
+
+    @property
+    def bound(self) -> int | None:
+        """The predicted peak the choice keeps within: one unit per block's, or the device's memory if lower."""
+        if self.blocks is None:
+            return self.budget
+        return self.blocks.peak_bytes if self.budget is None else min(self.budget, self.blocks.peak_bytes)
+
+    def memory_first(self) -> str:
+        """What keeping within one unit per block's peak traded (memory first: item 2 of the module docstring)."""
+        device = "" if self.budget is None else f" (the device's memory: {human_bytes(self.budget)})"
+        head = f"memory first: kept within one unit per block's predicted peak, {human_bytes(self.blocks.peak_bytes)}{device}"
+        if self.fastest is None:
+            return f"{head}; the fastest units found peak no higher"
+        return (f"{head}; the fastest units found ({self.fastest_units}) would step in {ms(self.fastest.step_s)} but "
+                f"peak at {human_bytes(self.fastest.peak_bytes)} (FSDP('auto', memory_budget=...) spends memory "
+                "where it is offered)")
 
     def __str__(self) -> str:
         named = next((k for k, v in DEFAULTS.items() if v == self.cost), f"cost inputs from {self.cost.source}")
@@ -108,10 +131,10 @@ class UnitsChoice:
             head = "units: one per block (units='blocks'), the step model could not choose"
         lines = [head]
         if self.prediction is not None:
-            budget = "no budget" if self.budget is None else f"budget {human_bytes(self.budget)} (the device's memory)"
             lines.append(f"  {', '.join(self.names)}")
             lines.append(f"  predicted step {ms(self.prediction.step_s)} vs blocks {ms(self.blocks.step_s)}, peak "
-                         f"{human_bytes(self.prediction.peak_bytes)} vs {human_bytes(self.blocks.peak_bytes)}; {budget}")
+                         f"{human_bytes(self.prediction.peak_bytes)} vs {human_bytes(self.blocks.peak_bytes)}")
+            lines.append(f"  {self.memory_first()}")
             lines.append(f"  cost inputs: {self.cost}")
         lines.extend(f"  {r}" for r in self.reasons)
         return "\n".join(lines)
@@ -148,37 +171,53 @@ def candidate(starts: tuple[int, ...], options, summary: StepSummary) -> Candida
     return out
 
 
+def _search_reasons(search) -> tuple[str, ...]:
+    if search.within_error:
+        return (f"kept one unit per block: {search.within_error_text()}",)
+    if not search.taken:
+        return (f"kept one unit per block: {NO_MOVE}",)
+    return ("why, move by move (from one unit per block; each the move that shortened the predicted step most):",
+            *(f"  {t.move}: predicted step {ms(t.before.prediction.step_s)} -> {ms(t.after.prediction.step_s)}"
+              for t in search.taken))
+
+
 def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | None) -> UnitsChoice:
-    """The units with the fastest predicted step (fitting ``budget`` first) for the user's other ``options``
-    (module docstring, items 2-3)."""
+    """The units with the fastest predicted step whose predicted peak is no higher than one unit per block's (nor
+    than ``budget``, the device's memory, where that is lower) for the user's other ``options`` (module docstring,
+    items 2-3)."""
     blocked = _why_not_priced(options) if summary.pieces else "the step reads no parameters"
     if blocked:
         return UnitsChoice((), (), cost, budget, (f"kept: {blocked}",))
+    priced: dict[tuple[int, ...], Priced] = {}  # both searches price many of the same units
 
     def price(starts: tuple[int, ...]) -> Priced:
-        priced = candidate(starts, options, summary)
-        return Priced(priced, predict(summary, priced, cost), tuple(unit_names(summary, starts)))
+        if starts not in priced:
+            planned = candidate(starts, options, summary)
+            priced[starts] = Priced(planned, predict(summary, planned, cost), tuple(unit_names(summary, starts)))
+        return priced[starts]
 
-    search = greedy_units(summary, price, budget)
-    if search.within_error:
-        reasons = (f"kept one unit per block: {search.within_error_text()}",)
-    elif not search.taken:
-        reasons = (f"kept one unit per block: {NO_MOVE}",)
-    else:
-        reasons = ("why, move by move (from one unit per block; each the move that shortened the predicted step "
-                   "most):", *(f"  {t.move}: predicted step {ms(t.before.prediction.step_s)} -> "
-                               f"{ms(t.after.prediction.step_s)}" for t in search.taken))
+    blocks = price(block_starts(summary)).prediction
+    bound = blocks.peak_bytes if budget is None else min(budget, blocks.peak_bytes)
+    search = greedy_units(summary, price, bound)
+    fastest = greedy_units(summary, price, budget).chosen  # what the device's memory alone would allow
+    spent = fastest.prediction.peak_bytes > search.chosen.prediction.peak_bytes and fastest.prediction.step_s < (
+        search.chosen.prediction.step_s)
     chosen = search.chosen
     spans = chosen.candidate.spans(len(summary.pieces))
     groups = tuple((nm, tuple(p for i in s for p in summary.pieces[i].params)) for nm, s in zip(chosen.names, spans))
-    return UnitsChoice(chosen.names, groups, cost, budget, reasons, chosen.prediction, search.blocks.prediction)
+    return UnitsChoice(chosen.names, groups, cost, budget, _search_reasons(search), chosen.prediction, blocks,
+                       fastest.prediction if spent else None, len(fastest.names) if spent else 0)
 
 
-def options_with_chosen_units(summary: StepSummary, model, options):
-    """``options`` with ``StepModelUnits`` replaced by the step model's choice: ``(options, UnitsChoice)``."""
+def units_for(summary: StepSummary, options) -> UnitsChoice:
+    """The step model's choice for ``options`` (``units=`` left out) from the step ``summary``, with the settled cost
+    inputs and budget (:meth:`StepModelUnits.settled`; not settled: the CPU's, no other rank asked)."""
     policy = options.unit_policy
-    if not policy.is_settled:  # not sharded by the transform (the functional path): this rank's device alone
-        policy = policy.settled(getattr(model, "device", None), None)
-    choice = choose_units(summary, options, policy.cost, policy.budget)
-    chosen = Blocks() if choice.prediction is None else ChosenUnits(choice)
-    return replace(options, unit_policy=chosen), choice
+    if not policy.is_settled:
+        policy = policy.settled(None, None)
+    return choose_units(summary, options, policy.cost, policy.budget)
+
+
+def options_with_units(options, choice: UnitsChoice):
+    """``options`` with ``StepModelUnits`` replaced by the ``choice`` (one unit per block where it could not choose)."""
+    return replace(options, unit_policy=Blocks() if choice.prediction is None else ChosenUnits(choice))

@@ -23,9 +23,8 @@ HSDP's all-reduce across replicas is not priced: the shard group's collectives a
 from __future__ import annotations
 
 from fsdp_pass.errors import check
-from fsdp_pass.plan.auto_options import device_defaults
 from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.cost_model import CostInputs
+from fsdp_pass.plan.cost_model import CostInputs, device_defaults
 from fsdp_pass.plan.options import FSDPOptions, resolve_cost
 from fsdp_pass.plan.step_model import Prediction, predict
 from fsdp_pass.plan.step_summary import StepSummary

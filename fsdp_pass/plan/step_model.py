@@ -22,7 +22,8 @@ program order (as one CUDA stream each, or gloo's worker), as the scheduled trac
 3. with offload, each gather is preceded by the copy of its shards to the device, and each reduce-scatter
    followed by the copy of its gradient shard back, on the communication queue.
 
-A gather or reduce-scatter costs the link's ``alpha + sent / beta``; under HSDP each reduce-scatter is followed,
+A gather or reduce-scatter costs the link's ``alpha + sent / beta`` (an 8-bit gather sends its codes and scales,
+``UnitCost.codes``); under HSDP each reduce-scatter is followed,
 on the same queue, by the all-reduce of the reduced shard across the replicas (``CostInputs.across_replicas``:
 ``alpha + 2(R-1)/R * shard / beta``). A unit's compute costs
 (``CostInputs.compute_seconds``) its matmul FLOPs / the matmul rate, plus the bytes its elementwise ops move / the
@@ -48,7 +49,10 @@ Memory, per rank, at each unit's unpack, at the end of its forward and at both e
   its gathered parameters and frees them after their last read, kept or resharded), the unit computing, and
   the gathers issued and not yet used (none over a group of one rank, where the schedule packs each gather's buffer
   right before its use: it moves nothing); a unit of several parameters twice at its unpack, which copies them out
-  of the gathered buffer, freed once the unpack has run (the next gather, issued after this one's wait, not yet);
+  of the gathered buffer, freed once the unpack has run (the next gather, issued after this one's wait, not yet).
+  Held bytes are the parameters in the compute dtype; an 8-bit gather's (``UnitCost.codes``) holds its gathered
+  buffer of codes and scales, what it sends, from its issue until its dequantize, and at the dequantize both that
+  buffer and the dequantized parameters (the ops' float32 scratch chunks are left out);
 - activations: every piece's up to this point of the forward, or not yet freed in the backward: a kept result is
   freed by the backward of the first op that keeps it, so the results a later piece keeps (a block's output, the
   next norm's input), and those that ops after a piece's last parameter read keep (the residual sum, the next
@@ -226,8 +230,8 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
     diff = [0] * (len(seq) + 2)
     for t, a in enumerate(anchors):
         if a != t:
-            diff[a + 1] += units[seq[t]].gathered
-            diff[t + 1] -= units[seq[t]].gathered
+            diff[a + 1] += units[seq[t]].in_flight
+            diff[t + 1] -= units[seq[t]].in_flight
     out, running = [], 0
     for d in diff[:-1]:
         running += d
@@ -238,7 +242,7 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
 def _issued_before(seq: list[int], anchors: list[int], units: list[UnitCost]) -> list[int]:
     """Bytes of the other gathers issued and not yet waited for when gather ``t`` is waited and unpacked: entry
     ``t`` (those issued after an earlier wait, or at the top, and used after it)."""
-    return [sum(units[seq[s]].gathered for s in range(t + 1, len(seq)) if anchors[s] < t) for t in range(len(seq))]
+    return [sum(units[seq[s]].in_flight for s in range(t + 1, len(seq)) if anchors[s] < t) for t in range(len(seq))]
 
 
 def peak_of(
@@ -259,6 +263,9 @@ def peak_of(
     acts = 0
     kept = 0  # gathered units before this one that stay gathered for the backward
     for i in range(k):
+        # an 8-bit gather's dequantize: the received codes and the dequantized buffer
+        if units[i].codes:
+            point(persistent + kept + units[i].codes + units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
         # its unpack: the gathered buffer and the parameters copied out of it, before its ops run
         if units[i].copies_out:
             point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
@@ -296,6 +303,9 @@ def peak_of(
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT] if not u.reduced_in_place)
         common = persistent + reduced + kept + in_flight
         received = output_grad if j == k - 1 else units[j].received  # the gradient its backward starts from
+        if again and units[j].codes:  # its dequantize: the received codes and the dequantized buffer
+            codes = units[j].codes
+            point(common + b_before[latest_wait] + codes + gathered + acts + received, f"backward of {names[j]}")
         if again and units[j].copies_out:  # its unpack, before its ops: the gathered buffer and the copies out of it
             point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
         # its backward starts with its parameters gathered, its activations kept (less those a later unit's backward

@@ -9,8 +9,10 @@ pieces, so it can merge blocks (``layers.3`` with ``layers.4``) or split one (it
 Read off the functional forward trace, before any rewriting (items 3 to 5 in one walk over its ops,
 :mod:`~fsdp_pass.plan.op_tally`):
 
-1. ``gathered_bytes``: the piece's unsharded parameters in the dtype they are gathered in (the mixed
-   precision's ``param_dtype``, else their own); ``grad_bytes`` the same in the dtype they are reduced in.
+1. ``gathered_bytes``: the piece's unsharded parameters as the step holds them once gathered, in the dtype it
+   computes in (the mixed precision's ``param_dtype``, else their own); ``sent_bytes`` as its gather moves them
+   (the same, but for an 8-bit gather: codes and scales, ``MixedPrecision.sent_nbytes``, whose buffer is held too,
+   from the gather's issue to its dequantize); ``grad_bytes`` the parameters in the dtype they are reduced in.
 2. ``shard_bytes``: what this rank keeps of them between steps (padding included).
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
    :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, about half that
@@ -60,6 +62,14 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    (:func:`~fsdp_pass.ops.unshard.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
    no quantized gather; offload, a candidate's choice, copies them all the same).
 
+9. ``quantized`` (of the whole step): the gathers are 8-bit (``MixedPrecision.gather_dtype``): each holds its
+   received codes beside the dequantized parameters at its dequantize.
+
+10. ``after_last_read`` (of the whole step): per parameter, the bytes the forward computes after its last read
+   (:func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`): ZeRO-3's last-unit rule where the step model
+   cannot price the units (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`) reads them here, from the summary
+   every rank plans from (:mod:`~fsdp_pass.plan.planned_from`), not from a rank's own trace.
+
 No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused
 (``fused_attention(bsym)``), so the planner can be tested on hand-made summaries.
 """
@@ -72,6 +82,7 @@ from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
 from fsdp_pass.ops.unshard import gathers_nothing
+from fsdp_pass.plan.computed_after import bytes_after_last_read
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.plan.op_tally import ops_by_piece, tensor_bytes
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
@@ -86,7 +97,7 @@ class Piece:
     name: str
     params: tuple[str, ...]
     block: str  # the Blocks unit it belongs to: where the planner starts from
-    gathered_bytes: int  # unsharded, in the gathered dtype
+    gathered_bytes: int  # unsharded, as held once gathered (in the compute dtype)
     grad_bytes: int  # unsharded gradients, in the reduce dtype
     shard_bytes: int  # this rank's shards, in their stored dtype (padding included)
     flops: float  # forward
@@ -114,6 +125,8 @@ class Piece:
     # (the last piece that reads them, bytes): its results that later pieces read and that need a gradient (a block's
     # output): the gradient its backward receives from theirs
     passed_on: tuple[tuple[int, int], ...] = ()
+    # unsharded, as its gather sends them (an 8-bit gather's codes and scales); 0: ``gathered_bytes``
+    sent_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,9 @@ class StepSummary:
     # a loss the forward computes after its last parameter read (item 6): its largest result and what it keeps
     tail_largest_bytes: int = 0
     tail_activation_bytes: int = 0
+    quantized: bool = False  # 8-bit gathers (item 9): each piece's ``sent_bytes`` is its received codes and scales
+    # (parameter, bytes): what the forward computes after the parameter's last read (item 10)
+    after_last_read: tuple[tuple[str, int], ...] = ()
 
     @property
     def shard_bytes(self) -> int:
@@ -147,6 +163,12 @@ class StepSummary:
     @property
     def activation_bytes(self) -> int:
         return sum(p.activation_bytes for p in self.pieces)
+
+    def bytes_after(self, params) -> int | None:
+        """What the forward computes after the last read of any of ``params`` (item 9); None where it read none."""
+        after = dict(self.after_last_read)
+        known = [after[p] for p in params if p in after]
+        return min(known) if known else None
 
     @property
     def tensors(self) -> int:
@@ -211,7 +233,7 @@ def summarize(
             name,
             tuple(params),
             block,
-            sum(precision.gathered_nbytes(sharding.param(p)) for p in params),  # quantized: codes and scales
+            sum(precision.held_nbytes(sharding.param(p)) for p in params),
             nbytes(params, precision.reduce_dtype),
             sum(sharding.param(p).layout.shard_numel * sharding.param(p).itemsize for p in params),
             t.flops[i],
@@ -229,6 +251,7 @@ def summarize(
             nbytes(params, precision.param_dtype),
             tuple(sorted(t.freed_in[i].items())),
             tuple(sorted(t.passed_on[i].items())),
+            sum(precision.sent_nbytes(sharding.param(p)) for p in params),  # 8-bit: codes and scales
         )
         for i, (name, block, params) in enumerate(found)
     )
@@ -236,7 +259,9 @@ def summarize(
     views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
     return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
                        caller_loss_bytes(computation, param_of_arg, precision), views,
-                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts)
+                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts,
+                       quantized=precision.gather_dtype is not None,
+                       after_last_read=bytes_after_last_read(computation, param_of_arg))
 
 
 def returned_outputs(computation) -> list[TensorProxy]:

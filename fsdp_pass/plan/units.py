@@ -44,6 +44,9 @@ class UnitPlan:
     units_choice: object | None = None
     # the step model's view of the trace (a plan.step_summary.StepSummary): what plan.price_plan prices any plan from
     summary: object | None = None
+    # the step summary every rank planned from, and whose first step it is (a plan.planned_from.PlannedFrom): what
+    # the plan's decisions read, the same at every compile of the model
+    planned_from: object | None = None
     # the FSDPOptions stages 1-3 planned with, where no CompiledStep keeps them beside the plan (the functional path:
     # derive_backward_and_lower schedules with them, the auto plan's prefetch depths included)
     options: object | None = None

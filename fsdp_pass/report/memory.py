@@ -32,6 +32,9 @@ as a *buffer*:
    non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`; :func:`caller_loss`, by
    which ZeRO-3's last-unit rule prices the caller's loss too). A cheaper loss (a sum) makes this an over-count;
    one that upcasts the outputs first, an under-count.
+7. an 8-bit gather's quantize op allocates the whole uint8 gathered buffer and writes this rank's slice of it
+   (the all-gather fills it in place, as rule 3's packed shards), and both its ops hold a float32 scratch chunk
+   while they run (:func:`fsdp_pass.ops.quantized_gather.scratch_bytes`): a buffer live at that op alone.
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
 (all-gather results and copies cut from them, also when the forward kept them for the backward),
@@ -57,12 +60,14 @@ from thunder.core.pytree import tree_flatten
 from fsdp_pass.op_names import (
     ALL_GATHER_OP,
     ALL_REDUCE_OP,
+    DEQUANTIZE_GATHERED_OP,
     REDUCE_SCATTER_OP,
     TORCH_ALL_GATHER_OP,
     TORCH_ALL_REDUCE_OP,
     TORCH_REDUCE_SCATTER_OP,
 )
 from fsdp_pass.ops.flat_buffers import allocated_bytes, collective_returns_input, gathers_in_place, views_of_inputs
+from fsdp_pass.ops.quantized_gather import quantized_gather_bytes, scratch_bytes
 from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
@@ -72,6 +77,7 @@ from fsdp_pass.predicates import (
     is_grad_accumulation,
     is_pack_grads,
     is_pack_shards,
+    is_quantize_shard,
     is_reduce_scatter,
     is_reshape,
     is_return,
@@ -281,9 +287,17 @@ class _Buffers:
             if src is not None and src.name in self.buffer_of:
                 self.share(o.name, self.buffer_of[src.name], True)
             elif src is None:
-                self.new(o, i, b, kind, allocated_bytes(b, o))
-        if is_pack_shards(b) and gathers_in_place(b):
+                self.new(o, i, b, kind, quantized_gather_bytes(b) if is_quantize_shard(b) else allocated_bytes(b, o))
+        if (is_pack_shards(b) and gathers_in_place(b)) or is_quantize_shard(b):
             self.gathered_in_place.add(b.output.name)
+        if scratch_bytes(b):
+            self.scratch(b, i, scratch_bytes(b))
+
+    def scratch(self, b, i: int, nbytes: int) -> None:
+        """What op ``i`` (bound symbol ``b``) holds while it runs, beside its outputs (rule 7)."""
+        name = f"{b.flat_proxy_outs[0].name}:scratch"
+        self.size[name], self.kind[name], self.start[name], self.last[name] = nbytes, OTHER, i, i
+        self.written_by[name] = (b.sym.name, unit_of_op(b))
 
     def op(self, b, i: int) -> None:
         """Step ``i`` of the trace: bound symbol ``b``."""
@@ -436,9 +450,14 @@ class GatheredPeak:
         return tuple(b for b in self.buffers if is_collective_output(b))
 
     @property
+    def dequantized(self) -> tuple[Buffer, ...]:
+        """What an 8-bit gather's dequantize wrote: whole units in the compute dtype (rule 7)."""
+        return tuple(b for b in self.buffers if b.op == DEQUANTIZE_GATHERED_OP)
+
+    @property
     def cut_out(self) -> tuple[Buffer, ...]:
-        """Parameters copied out of a gathered buffer (and kept for the backward, in the backward)."""
-        return tuple(b for b in self.buffers if not is_collective_output(b))
+        """Parameters copied out of a gathered (or dequantized) buffer (and kept for the backward, in the backward)."""
+        return tuple(b for b in self.buffers if not is_collective_output(b) and b.op != DEQUANTIZE_GATHERED_OP)
 
 
 def is_collective_output(buf: Buffer) -> bool:
