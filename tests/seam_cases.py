@@ -194,7 +194,7 @@ class Reference:
             loss = sum(models.loss_fn(MODEL, self.master(x), y) for per_rank in batches for x, y in per_rank)
             loss = loss / (micro * self.world)
         loss.backward()
-        return losses, float(loss)
+        return losses, float(loss.detach())
 
     def _load_low_copy(self):
         with torch.no_grad():
@@ -305,7 +305,6 @@ def seam_case(case: dict) -> dict:
         "units": [u.name for u in fsdp.unit_plan.units],
         "scale": None if scaler is None else scaler.get_scale(),
         "finite_checks": sum(map(is_finite_check, forward.bound_symbols)),
-        "explain": str(fsdp_pass.explain(jm)),
         "seconds": time.perf_counter() - started,
         "cpu_seconds": time.process_time() - cpu_started,  # this rank's: its wall time on an idle core of its own
     }
