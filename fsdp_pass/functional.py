@@ -46,7 +46,7 @@ from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import ParamSpec, ShardingPlan, parse_strategy
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
-from fsdp_pass.shard.forward_inputs import cast_inputs_at_blocks, inputs_of_step
+from fsdp_pass.shard.forward_inputs import inputs_of_step
 from fsdp_pass.shard.mesh import RankGroups, resolve_groups
 from fsdp_pass.shard.module import ShardedModel
 
@@ -64,12 +64,10 @@ def functional_trace(model, *args, mixed_precision=None, **kwargs):
 
     ``mixed_precision`` (a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision` or a dtype): trace it as the
     ``FSDP`` transform does under that setting, on a copy of ``model`` whose floating parameters are in
-    ``param_dtype``, with the floating inputs cast to it, the model's and its repeated blocks' (unless
-    ``cast_forward_inputs=False``)."""
+    ``param_dtype``, with the floating inputs cast to it (unless ``cast_forward_inputs=False``)."""
     precision = resolve_mixed_precision(mixed_precision)
     if precision.param_dtype is not None:
         model = _with_parameters_traced_as(model, precision)
-        cast_inputs_at_blocks(model, precision)  # on the copy, as FSDP on the module it shards
     args, kwargs = inputs_of_step(args, kwargs, precision)
     keep = _KeepTraces()
     jm = trace_hf_models(thunder.jit(model, transforms=[keep]))  # as FSDP: transformers 5's models

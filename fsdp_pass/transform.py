@@ -38,7 +38,7 @@ from fsdp_pass.plan.sharding import Strategy
 from fsdp_pass.plan.step_model import Prediction
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
-from fsdp_pass.shard.forward_inputs import cast_inputs_at_blocks, check_and_cast_inputs_on_call
+from fsdp_pass.shard.forward_inputs import check_and_cast_inputs_on_call
 from fsdp_pass.shard.global_view import gather_full
 from fsdp_pass.shard.input_checks import positional_names
 from fsdp_pass.shard.module import ShardedModel, check_not_sharded_yet, check_process_group, place_shard, shard_module
@@ -94,11 +94,11 @@ class FSDP(Transform):
             unit), or a function ``Unit -> bool``. The recomputation reads the gather the backward
             does anyway: no extra collective.
         mixed_precision: None (no casts), a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, or a
-            dtype (gather and compute in it, reduce in float32), with FSDP2's semantics on the root and each
-            repeated block: the module is traced with its parameters in ``param_dtype`` and the floating inputs of
-            the model and of each block cast to it, its own casts as written, its buffers as defined (where and
-            why it differs from FSDP2: :mod:`~fsdp_pass.plan.mixed_precision`). The shards stay in their dtype: the optimizer steps on them as master
-            weights. float16 wants :class:`fsdp_pass.GradScaler`.
+            dtype (gather and compute in it, reduce in float32), with FSDP2's semantics at the root: the module is
+            traced with its parameters in ``param_dtype`` and the model's floating inputs cast to it, its own casts
+            as written, its buffers as defined (where and why it differs from FSDP2:
+            :mod:`~fsdp_pass.plan.mixed_precision`). The shards stay in their dtype: the optimizer steps on them as
+            master weights. float16 wants :class:`fsdp_pass.GradScaler`.
         offload_to: None, or the device the shards, their gradients (and so the optimizer state) live
             on between uses, e.g. ``"cpu"``: each unit's shards are copied to ``device`` right before
             its all-gather and its gradient shard is copied back after its reduce-scatter.
@@ -216,7 +216,6 @@ class FSDP(Transform):
         )
         self.argument_names = positional_names(model._model)  # for the errors that name an input
         check_and_cast_inputs_on_call(model, self)
-        cast_inputs_at_blocks(model._model, self.options.mixed_precision)  # as FSDP2 at each module it wraps
         # every rank plans from rank 0's cost inputs and budget
         self.options = settle_planning_inputs(self.options, self.model.device, groups.everyone)
         model._fsdp_pass_plan = self.model.sharding

@@ -1,8 +1,7 @@
 """``MixedPrecision``: which dtype the unit's parameters are gathered and computed in, reduced in, returned in.
 
-The semantics are those of FSDP2's ``MixedPrecisionPolicy`` applied, with one policy, to the model's root and to
-each of its repeated blocks (``fully_shard`` on every decoder layer, then on the model: the FSDP2 recipe), by
-construction; where they differ, and why, is said below:
+The semantics are those of FSDP2's ``MixedPrecisionPolicy`` on the model's root, by construction; where they
+differ from FSDP2's recipe (``fully_shard`` on every decoder layer, then on the model), and why, is said below:
 
 - ``param_dtype`` (e.g. ``torch.bfloat16``): Thunder traces the module with its floating parameters in that
   dtype (:mod:`fsdp_pass.shard.module` gives the released originals meta tensors of it), so the module's own
@@ -11,15 +10,13 @@ construction; where they differ, and why, is said below:
   half the bytes of float32) and the gathered parameters arrive in ``param_dtype``. Buffers stay as the module
   defines them. The optimizer keeps stepping on the float32 shards: they are the master weights.
 - ``cast_forward_inputs`` (default True, as FSDP2's): floating tensors among the model's inputs are cast to
-  ``param_dtype`` before the compiled step sees them, and those among each repeated block's arguments (the
-  modules :meth:`~fsdp_pass.plan.module_tree.ModuleTree.repeated_blocks` finds: a decoder's layers) at the
-  block's call, by a forward pre-hook that Thunder traces (:mod:`fsdp_pass.shard.forward_inputs`): a block
-  handed a float32 residual or table computes in ``param_dtype``, as under FSDP2. Integer inputs (token ids)
-  and boolean masks are left alone. FSDP2 casts at the modules the user wraps; here the casts sit at the
-  repeated blocks whatever units the plan chooses (merged, split, per parameter, a list given in ``units=``),
-  because units are chosen after tracing, from the trace, and a step's numbers must not depend on how its
-  parameters are gathered. A module that is neither the root nor a repeated block gets its inputs as computed.
-  False: inputs reach the model and its blocks as given.
+  ``param_dtype`` before the compiled step sees them (:mod:`fsdp_pass.shard.forward_inputs`); integer inputs
+  (token ids) are left alone. False: inputs reach the model as given. Where this differs from FSDP2's recipe
+  (``fully_shard`` on every decoder layer, then on the model): FSDP2 also casts the floating arguments of each
+  module it wraps at its call; here only the root's are cast, so a block handed a float32 tensor by the model's
+  own code (a residual kept in float32, a float32 table) gets it in float32. In the decoders of Hugging Face and
+  of the zoo the blocks are handed ``param_dtype`` hidden states and rotary tables (and boolean masks), so the
+  two agree; a model that hands its blocks float32 computes there as its code says.
 - ``reduce_dtype`` (default float32): the unit's gradients are cast to it before the reduce-scatter. FSDP2's
   default is None, which here too means the compute dtype (``param_dtype``): a bfloat16 reduce-scatter, half
   the bytes, each sum rounded to 8 bits of mantissa. This default stays float32 because it preserves numerics

@@ -17,18 +17,10 @@ float32, where a cast to float32 was no op at all).
    fails to trace it, names the inputs that explain the failure
    (:func:`~fsdp_pass.shard.input_checks.explain_trace_failure`). A dry run and the functional path's trace
    cast the same way (:func:`inputs_of_step`).
-3. :func:`cast_inputs_at_blocks`: FSDP2 casts the floating inputs of every module it wraps, at each call, not only
-   the root's. The modules an FSDP2 recipe wraps are the model's repeated blocks (a decoder's layers: what
-   :meth:`~fsdp_pass.plan.module_tree.ModuleTree.repeated_blocks` finds, and ``units="blocks"`` makes units); each
-   gets a forward pre-hook that casts the floating tensors among its arguments, which Thunder traces as the
-   block's first ops: a block handed a float32 tensor (a residual kept in float32, a float32 table) computes in
-   ``param_dtype`` as under FSDP2. The casts sit at the blocks whatever units the plan chooses: units are chosen
-   after tracing, from the trace, and what a step computes does not depend on how its parameters are gathered.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 
 import thunder
@@ -37,7 +29,6 @@ from torch.utils._pytree import tree_map
 
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.plan.mixed_precision import MixedPrecision
-from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.shard.input_checks import check_input_devices, explain_trace_failure, named_tensors
 
 
@@ -101,40 +92,3 @@ def check_and_cast_inputs_on_call(thunder_module, fsdp) -> None:
             raise explained from e
 
     thunder_module.forward = forward
-
-
-BLOCK_CASTS = "_fsdp_pass_block_casts"  # the hooks' handles, on the root module
-
-
-def cast_inputs_at_blocks(module: torch.nn.Module, precision: MixedPrecision) -> list[str]:
-    """Step 3: the names of ``module``'s repeated blocks, each given a forward pre-hook that casts its floating
-    tensor arguments to ``param_dtype`` (none when mixed precision does not cast forward inputs). Hooks an earlier
-    call added are removed first."""
-    for handle in getattr(module, BLOCK_CASTS, ()):
-        handle.remove()
-    if precision.param_dtype is None or not precision.cast_forward_inputs:
-        setattr(module, BLOCK_CASTS, [])
-        return []
-    blocks = ModuleTree.of(module).repeated_blocks()
-    hook = functools.partial(_cast_block_inputs, precision.param_dtype)
-    handles = [module.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True) for name in blocks]
-    setattr(module, BLOCK_CASTS, handles)
-    return blocks
-
-
-def _cast_block_inputs(dtype, block, args, kwargs):
-    return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
-
-
-def _cast_floating(value, dtype):
-    """``value`` with the floating tensors in it, at any depth of tuples, lists and dicts, in ``dtype``. Written
-    with comprehensions, not a tree map: Thunder's interpreter traces these, and ``map`` over a Python function
-    runs it unseen (its casts would not reach the trace)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, (tuple, list)):
-        items = [_cast_floating(v, dtype) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple: fields
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
