@@ -5,7 +5,7 @@ module called (``layer_norm``, ``gelu``, ``scaled_dot_product_attention``). Thun
 a rule of its own through its decomposition, and then keeps the decomposition's intermediates: a tanh GELU keeps
 five tensors of its input's size, a layer norm five of its input's, an attention computed op by op its scores
 several times. Guessing that from the op's inputs undercounted a tiny GPT-2's activations by half (its auto plan
-measured 147,800 B against a 122,544 B budget, issue 39). So each op is asked of Thunder itself:
+measured 147,800 B against a 122,544 B budget). So each op is asked of Thunder itself:
 
 1. The op alone is traced on fresh proxies of its tensor arguments (each requiring a gradient where the
    step differentiates it: the caller says, since a functional trace marks its parameters only), returning
