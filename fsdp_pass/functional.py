@@ -34,6 +34,7 @@ from thunder.executors.passes import del_last_used
 from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
 from fsdp_pass.errors import check, fail
+from fsdp_pass.models.hf_kv_cache import check_no_kv_cache
 from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
@@ -65,6 +66,7 @@ def functional_trace(model, *args, mixed_precision=None, **kwargs):
     ``mixed_precision`` (a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision` or a dtype): trace it as the
     ``FSDP`` transform does under that setting, on a copy of ``model`` whose floating parameters are in
     ``param_dtype``, with the floating inputs cast to it (unless ``cast_forward_inputs=False``)."""
+    check_no_kv_cache(model, kwargs)  # transformers' models: as FSDP's calls (models/hf_kv_cache.py)
     precision = resolve_mixed_precision(mixed_precision)
     if precision.param_dtype is not None:
         model = _with_parameters_traced_as(model, precision)

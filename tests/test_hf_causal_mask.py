@@ -183,6 +183,28 @@ def test_outputs_asked_for_raise_what_to_do(pair):
         jm(input_ids=IDS, labels=IDS, output_hidden_states=True)
 
 
+@needs_transformers
+@pytest.mark.parametrize("pair", ["llama"], indirect=True)
+def test_a_call_that_would_build_a_kv_cache_says_what_to_do(pair):
+    """A model whose config has use_cache=True (what from_pretrained gives) builds a KV cache in its forward, which
+    Thunder cannot trace under transformers 5; turned off silently, transformers would read packed positions
+    differently from eager. So the call is an FSDPError, raised before Thunder traces anything (no compile here),
+    as is a call that asks for a cache. (The cases above step the same model with use_cache=False.)"""
+    eager, jm = pair
+    what_to_do = "(?s)would make LlamaForCausalLM build a KV cache.*What to do: Set model.config.use_cache = False"
+    for asked in ({"use_cache": True}, {"past_key_values": object()}):
+        with pytest.raises(FSDPError, match=what_to_do):
+            jm(input_ids=IDS, labels=IDS, **asked)
+    compiles = thunder.cache_misses(jm)
+    jm._model.config.use_cache = True
+    try:
+        with pytest.raises(FSDPError, match=what_to_do):
+            jm(input_ids=IDS, labels=IDS)
+    finally:
+        jm._model.config.use_cache = False
+    assert thunder.cache_misses(jm) == compiles
+
+
 @needs_5
 @pytest.mark.parametrize("pair", ["mixtral"], indirect=True)
 def test_router_logits_raise_what_to_do(pair):
