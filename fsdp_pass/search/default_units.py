@@ -9,7 +9,7 @@ ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md
    the CUDA device's memory (no bound on the CPU); with peers, every rank takes rank 0's, so every rank plans
    from the same numbers (a probe or a device's memory could differ between ranks by a little).
 2. At the first compile (:func:`choose_units`), from the step summary every rank plans from
-   (:mod:`~fsdp_pass.plan.planned_from`): only the units are chosen. Strategy, ``reshard_after_forward``, the
+   (:mod:`~fsdp_pass.search.planned_from`): only the units are chosen. Strategy, ``reshard_after_forward``, the
    schedule's prefetch depth, checkpointing and offload stay what the user asked, and the step model prices each
    set of units with them. Memory first: FSDP is chosen to save memory, and memory the user did not offer is not
    spent (it may be meant for a larger batch), so the units must predict a peak no higher than one unit per
@@ -17,14 +17,14 @@ ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md
    merge of two neighbouring units or the split of a unit at one of its pieces that shortens the predicted step
    most, until none does: merges of small pieces that raise no peak are taken. Moves that together shorten it by
    less than 2 % are given up for one unit per block (the model cannot promise so little). The search is the auto
-   planner's: :mod:`fsdp_pass.plan.unit_search`; ``FSDP("auto", memory_budget=...)`` spends a budget for speed.
+   planner's: :mod:`fsdp_pass.search.unit_search`; ``FSDP("auto", memory_budget=...)`` spends a budget for speed.
 3. Plans the step model cannot price keep one unit per block, with the reason: a schedule that is not a
    prefetch depth (``schedule=None``, ``max_unused_bytes``, ``prefetch_by_unit``), a
    ``reshard_after_forward`` or ``checkpoint_activations`` that is a function of the unit (it reads names the
    merged units would not have).
 4. The choice is a pure function of the summary, the options and the settled cost inputs and budget, so the same
    on every rank. The transform keeps the first compile's choice for later compiles of the model (another input
-   shape, ``no_sync``), so they do not plan again (:mod:`~fsdp_pass.plan.decisions`).
+   shape, ``no_sync``), so they do not plan again (:mod:`~fsdp_pass.search.decisions`).
 
 ``explain()`` prints the choice and why (:class:`UnitsChoice`): the units, the predicted step and peak against one
 unit per block's, and what memory first gave up: the fastest units the search finds without the bound, their step
@@ -37,14 +37,14 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, device_defaults
+from fsdp_pass.cost.candidate_costs import Candidate
+from fsdp_pass.cost.cost_model import DEFAULTS, CostInputs, device_defaults
 from fsdp_pass.plan.sharding import Strategy
-from fsdp_pass.plan.step_model import Prediction, ms, predict
-from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.cost.step_model import Prediction, ms, predict
+from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
-from fsdp_pass.plan.last_unit import zero3_reshards
-from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, greedy_units, unit_names
+from fsdp_pass.search.last_unit import zero3_reshards
+from fsdp_pass.search.unit_search import NO_MOVE, Priced, block_starts, greedy_units, unit_names
 from fsdp_pass.report.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
@@ -159,7 +159,7 @@ def _why_not_priced(options) -> str | None:
 def candidate(starts: tuple[int, ...], options, summary: StepSummary) -> Candidate:
     """``starts`` with the user's resharding, prefetch depth, checkpointing and offload (as plan_units applies
     them: ZeRO-3 reshards every unit but the last the forward gathers, that one too where the step model predicts
-    a lower step peak for it: :func:`~fsdp_pass.plan.last_unit.zero3_reshards`; ZeRO-2 none)."""
+    a lower step peak for it: :func:`~fsdp_pass.search.last_unit.zero3_reshards`; ZeRO-2 none)."""
     from fsdp_pass.plan.options import constant_checkpoint_level
 
     k, override = len(starts), options.reshard_after_forward
