@@ -90,7 +90,7 @@ from bench.workload import ZOO, Workload
 from fsdp_pass.cost.cost_model import DEFAULTS
 from fsdp_pass.cost.probe import probe
 from fsdp_pass.report.measure import allocated_during
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 from fsdp_pass.shard.groups import free_port
 
 

@@ -31,7 +31,7 @@ from fsdp_pass.cost.probe import probe_local_ranks
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.report.text import format_table
+from fsdp_pass.text import format_table
 
 ROWS = ("ours zero2 per-param", "ours zero2 blocks", "ours zero3 blocks", "ours zero3 by-size 1.7MB",
         "ours zero2 by-size 1.7MB", "ours zero2 by-size whole", "ours auto")

@@ -35,7 +35,7 @@ from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.report.dry_run import DEVICES, dry_run, target_device
 from fsdp_pass.report.explain import OPTIMIZER_STATES
-from fsdp_pass.report.text import human_count
+from fsdp_pass.text import human_count
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

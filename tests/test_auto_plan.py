@@ -19,7 +19,7 @@ from fsdp_pass.cost.price_plan import candidate_of, price_plan
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.cost.step_model import peak_of, predict
 from fsdp_pass.cost.step_summary import Piece, StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from tests import auto_cases, explain_cases, tolerances
 from tests.dry_runs import model_dry_run
 

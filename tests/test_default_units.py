@@ -15,7 +15,7 @@ from fsdp_pass.search.default_units import StepModelUnits, candidate, choose_uni
 from fsdp_pass.cost.step_model import predict
 from fsdp_pass.plan.unit_policies import Blocks
 from fsdp_pass.search.unit_search import block_starts
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from tests.dry_runs import model_dry_run
 
 CPU = DEFAULTS["cpu-gloo"]

@@ -22,7 +22,7 @@ from fsdp_pass.__main__ import main
 from fsdp_pass.models import zoo
 from fsdp_pass.models.spec import build_model
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.report.text import human_bytes, human_count
+from fsdp_pass.text import human_bytes, human_count
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny_llama"
 

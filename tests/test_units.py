@@ -14,7 +14,7 @@ from torch import nn
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.report.step_stats import floor_bytes, step_stats
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from tests import llama_steps, models
 from tests.llama_steps import LAYERS, WORLD, functional_plan, functional_step, shared_functional_trace
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters

@@ -93,7 +93,7 @@ from dataclasses import dataclass
 from fsdp_pass.cost.candidate_costs import Candidate, UnitCost, unit_costs
 from fsdp_pass.cost.cost_model import CostInputs
 from fsdp_pass.cost.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # the default Schedule's bound
 

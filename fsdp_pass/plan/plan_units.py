@@ -32,7 +32,7 @@ from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 

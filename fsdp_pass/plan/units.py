@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_pass.plan.sharding import ShardingPlan
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 
 
 @dataclass(frozen=True)

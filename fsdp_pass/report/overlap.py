@@ -35,7 +35,7 @@ from fsdp_pass.predicates import (
     is_view_like,
     is_wait,
 )
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 
 
 def is_compute(bsym) -> bool:

@@ -24,7 +24,7 @@ from fsdp_pass.plan.checkpointing import FULL, NONE, SELECTIVE
 from fsdp_pass.cost.cost_model import CostInputs
 from fsdp_pass.cost.step_model import ms, peak_of, persistent_bytes
 from fsdp_pass.cost.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from fsdp_pass.plan.options import AutoSettings, FSDPOptions
 from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.cost.step_summary import StepSummary, summarize
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
 

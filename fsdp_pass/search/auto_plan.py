@@ -50,7 +50,7 @@ from fsdp_pass.cost.step_model import Prediction, ms, predict
 from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.search.last_unit import zero3_reshards
 from fsdp_pass.search.unit_search import NO_MOVE, Priced, block_starts, fits, greedy_units
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 
 def units_for(decisions: PerUnitDecisions, prefetch: int, offload: bool) -> tuple[Priced, list[str]]:

@@ -12,7 +12,7 @@ from fsdp_pass.cost.cost_model import CostInputs
 from fsdp_pass.cost.step_model import Prediction, ms, predict
 from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.search.unit_search import Priced, Taken, fits
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 
 
 @dataclass(frozen=True)

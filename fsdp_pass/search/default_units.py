@@ -45,7 +45,7 @@ from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.search.last_unit import zero3_reshards
 from fsdp_pass.search.unit_search import NO_MOVE, Priced, block_starts, greedy_units, unit_names
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
 

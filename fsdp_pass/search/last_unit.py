@@ -26,7 +26,7 @@ from fsdp_pass.cost.candidate_costs import Candidate, unit_costs
 from fsdp_pass.cost.cost_model import DEFAULTS
 from fsdp_pass.cost.step_model import peak_of, persistent_bytes
 from fsdp_pass.cost.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 _BYTES_ONLY = DEFAULTS["cpu-gloo"]  # the peak reads no rate: any cost inputs price it the same
 TIE = 0.01  # a predicted saving under this share of the kept peak is within the step model's error: kept

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from fsdp_pass.errors import fail
 from fsdp_pass.cost.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
 
