@@ -14,12 +14,11 @@ from typing import Callable
 from fsdp_pass.errors import check
 from fsdp_pass.plan.checkpointing import FULL, LEVELS, NONE, checkpoint_level
 from fsdp_pass.cost.cost_model import DEFAULTS, CostInputs
-from fsdp_pass.search.default_units import StepModelUnits
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer, resolve_optimizer
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import Strategy, parse_strategy
-from fsdp_pass.plan.unit_policies import Blocks, resolve_policy
+from fsdp_pass.plan.unit_policies import Blocks, StepModelUnits, resolve_policy
 from fsdp_pass.plan.units import Unit
 
 

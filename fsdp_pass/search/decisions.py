@@ -26,8 +26,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fsdp_pass.search.auto_options import agreed_settings, options_of_auto_plan, plan_auto
-from fsdp_pass.search.default_units import StepModelUnits, options_with_units, units_for
+from fsdp_pass.search.default_units import options_with_units, settled_units, units_for
 from fsdp_pass.plan.options import FSDPOptions
+from fsdp_pass.plan.unit_policies import StepModelUnits
 from fsdp_pass.search.planned_from import PlannedFrom
 
 
@@ -37,7 +38,7 @@ def settle_planning_inputs(options: FSDPOptions, device, group) -> FSDPOptions:
     if options.auto is not None:
         return replace(options, auto=agreed_settings(options.auto, device, group))
     if isinstance(options.unit_policy, StepModelUnits):
-        return replace(options, unit_policy=options.unit_policy.settled(device, group))
+        return replace(options, unit_policy=settled_units(options.unit_policy, device, group))
     return options
 
 
