@@ -25,7 +25,7 @@ from bench.step_cost import interleaved_medians, stepper
 from fsdp_pass import FSDP
 from fsdp_pass.models.zoo import Config
 from fsdp_pass.ops import finite_checks
-from fsdp_pass.report.text import format_table
+from fsdp_pass.text import format_table
 from fsdp_pass.shard.groups import run_on_local_ranks
 
 ROWS = {"check_finite=False": False, "check_finite=True": True}

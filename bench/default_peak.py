@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsdp_pass.report.text import format_table
+from fsdp_pass.text import format_table
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "llama-d256"
 MODEL = "hf:bench/configs/llama-d256"

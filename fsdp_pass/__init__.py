@@ -3,6 +3,11 @@
 from importlib import metadata as _metadata
 from pathlib import Path as _Path
 
+try:
+    import tomllib as _tomllib
+except ImportError:  # Python 3.10: no tomllib; the version then says unknown
+    _tomllib = None
+
 _DISTRIBUTION = "fsdp-pass"
 
 
@@ -19,11 +24,9 @@ def _version() -> str:
     except _metadata.PackageNotFoundError:
         pass
     try:
-        import tomllib
-
         pyproject = _Path(__file__).resolve().parent.parent / "pyproject.toml"
-        return tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
-    except (ImportError, OSError, KeyError, ValueError):
+        return _tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
+    except (AttributeError, OSError, KeyError, ValueError):
         return "0+unknown"
 
 

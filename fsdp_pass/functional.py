@@ -9,7 +9,7 @@ The stages are those of :mod:`fsdp_pass.pipeline`, the ones the ``FSDP`` transfo
 out the same as ``thunder.jit(model, transforms=[FSDP(...)])`` makes them. No module is changed and, under a fake
 group, nothing is communicated: the traces show what every rank would run. Given a real group of several ranks,
 ``shard_functional_trace`` is collective: the ranks agree on what they plan from, as the transform's first compile
-does (:mod:`fsdp_pass.plan.decisions`), and the traces run on them.
+does (:mod:`fsdp_pass.search.decisions`), and the traces run on them.
 
 Mixed precision acts where Thunder traces the module (its parameters in ``param_dtype``, its floating inputs cast
 to it), so a trace for ``mixed_precision=`` is made with it: ``functional_trace(model, x,
@@ -38,7 +38,7 @@ from fsdp_pass.models.hf_kv_cache import check_no_kv_cache
 from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
-from fsdp_pass.plan.decisions import settle_planning_inputs
+from fsdp_pass.search.decisions import settle_planning_inputs
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision, resolve_mixed_precision, traced_dtype
 from fsdp_pass.plan.module_tree import ModuleTree
@@ -137,7 +137,7 @@ def shard_functional_trace(
 
     Over a real group of several ranks (not the fake one) the call is collective, as ``FSDP``'s first compile is:
     every rank calls it with its own trace, and they agree on the cost inputs (rank 0's) and on the step they plan
-    from (:mod:`~fsdp_pass.plan.planned_from`), so every rank's traces issue the same collectives whatever the
+    from (:mod:`~fsdp_pass.search.planned_from`), so every rank's traces issue the same collectives whatever the
     shapes each traced.
     """
     check(

@@ -8,11 +8,11 @@ Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forwa
   1. plan      which parameters are gathered together, which units reshard after forward, which are
                checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
                auto planner chooses the units, their resharding and the prefetch depth first, with ``units=``
-               left out the step model chooses the units (:func:`~fsdp_pass.plan.decisions.decided_options`).
+               left out the step model chooses the units (:func:`~fsdp_pass.search.decisions.decided_options`).
                Every decision reads the step summary every rank plans from, agreed at the model's first compile
-               (:mod:`~fsdp_pass.plan.planned_from`: one collective there, where the group has peers) and kept
+               (:mod:`~fsdp_pass.search.planned_from`: one collective there, where the group has peers) and kept
                with the first plan for later compiles; the plan keeps its own trace's summary too
-               (``plan.summary``, what :mod:`~fsdp_pass.plan.price_plan` prices);
+               (``plan.summary``, what :mod:`~fsdp_pass.cost.price_plan` prices);
   2. shard     the prologue expects the shards (:func:`~fsdp_pass.shard.prologue.shard_prologue`); the
                module itself was sharded once, when the transform was applied (:mod:`fsdp_pass.shard.module`);
   3. insert    one ``unshard_unit`` per unit before its first use
@@ -57,11 +57,11 @@ from fsdp_pass.passes.insert_unshards import insert_unshards
 from fsdp_pass.passes.label_collectives import annotate_collectives
 from fsdp_pass.passes.schedule_collectives import schedule_collectives
 from fsdp_pass.passes.units_of_collectives import units_of_collectives
-from fsdp_pass.plan.auto_options import step_summary
-from fsdp_pass.plan.decisions import decided_options
+from fsdp_pass.search.auto_options import step_summary
+from fsdp_pass.search.decisions import decided_options
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.plan_units import plan_units
-from fsdp_pass.plan.planned_from import agree_on_step
+from fsdp_pass.search.planned_from import agree_on_step
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan

@@ -29,13 +29,13 @@ from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.op_names import COMM_EXECUTOR
 from fsdp_pass.ops.grad_accumulation import GradAccumulators
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
-from fsdp_pass.plan.decisions import settle_planning_inputs
+from fsdp_pass.search.decisions import settle_planning_inputs
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
-from fsdp_pass.plan.price_plan import price_plan
+from fsdp_pass.cost.price_plan import price_plan
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import Strategy
-from fsdp_pass.plan.step_model import Prediction
+from fsdp_pass.cost.step_model import Prediction
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.shard.forward_inputs import check_and_cast_inputs_on_call
@@ -56,14 +56,14 @@ class FSDP(Transform):
     Args:
         strategy: ``"zero2"`` (keep gathered parameters for the backward), ``"zero3"`` (free them
             after forward, gather again in the backward), or ``"auto"``: the auto planner
-            (:mod:`fsdp_pass.plan.auto_plan`) chooses the units, which of them reshard after forward, the
+            (:mod:`fsdp_pass.search.auto_plan`) chooses the units, which of them reshard after forward, the
             prefetch depth and, where the budget needs it, which units checkpoint their activations (selective
             or full), for the fastest predicted step within ``memory_budget``; ``explain()`` prints the plan
             with a reason per decision.
         memory_budget: with ``"auto"``: bytes per rank the step may peak at (``"20GiB"``, ``"512MiB"``, or an
             int); default: the CUDA device's memory, no bound on the CPU.
-        cost: with ``"auto"``, or ``units=`` left out: what collectives and compute cost (:mod:`fsdp_pass.plan.cost_model`): a name in
-            ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.plan.probe.probe(...)``'s
+        cost: with ``"auto"``, or ``units=`` left out: what collectives and compute cost (:mod:`fsdp_pass.cost.cost_model`): a name in
+            ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.cost.probe.probe(...)``'s
             result measured on your ranks; default: the defaults of the device the step computes on.
         optimizer: with ``"auto"``: what steps the shards, for its state's bytes and its time
             (:mod:`fsdp_pass.plan.optimizers`): ``"adamw"`` (default), ``"adam"``, ``"sgd-momentum"``, ``"sgd"``.
@@ -79,10 +79,10 @@ class FSDP(Transform):
         units: the unit policy (see :mod:`fsdp_pass.plan.unit_policies`): ``"blocks"`` (one unit per
             repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
             list of modules / classes / names (explicit units), or ``BySize(max_bytes)``. Left out, the step
-            model chooses them at the first compile (:mod:`fsdp_pass.plan.default_units`): the units with the
+            model chooses them at the first compile (:mod:`fsdp_pass.search.default_units`): the units with the
             fastest predicted step for the other options as given whose predicted peak is no higher than
             ``"blocks"``'s (memory first), starting from ``"blocks"``'s, from a step every rank agrees on
-            (:mod:`fsdp_pass.plan.planned_from`); ``explain()`` prints the choice, why, and what it traded.
+            (:mod:`fsdp_pass.search.planned_from`); ``explain()`` prints the choice, why, and what it traded.
         reshard_after_forward: None (ZeRO-3: every unit but the last one gathered, that one too where
             what the forward computes after it, e.g. a loss inside the model, outgrows it; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.

@@ -15,13 +15,13 @@ from torch import nn
 
 from fsdp_pass import FSDP, FSDPError, fsdp_of, full_state_dict
 from fsdp_pass.functional import derive_backward_and_lower, functional_trace, shard_functional_trace
-from fsdp_pass.plan.auto_plan import plan_step
-from fsdp_pass.plan.cost_model import DEFAULTS
-from fsdp_pass.plan.default_units import candidate, choose_units
-from fsdp_pass.plan.last_unit import starts_of
+from fsdp_pass.search.auto_plan import plan_step
+from fsdp_pass.cost.cost_model import DEFAULTS
+from fsdp_pass.search.default_units import candidate, choose_units
+from fsdp_pass.search.last_unit import starts_of
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import FSDPOptions
-from fsdp_pass.plan.unit_search import block_starts
+from fsdp_pass.search.unit_search import block_starts
 from fsdp_pass.predicates import is_collective, is_step_check
 from fsdp_pass.report.measure import CollectiveBytes
 from fsdp_pass.shard.global_view import gather_full

@@ -8,8 +8,8 @@ import pytest
 
 from fsdp_pass import FSDPError
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost, fit_link, sent_bytes
-from fsdp_pass.plan.probe import probe
+from fsdp_pass.cost.cost_model import DEFAULTS, CostInputs, LinkCost, fit_link, sent_bytes
+from fsdp_pass.cost.probe import probe
 
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
@@ -73,7 +73,7 @@ def canned_gather_seconds(full: int, rank: int, ranks: int = 2) -> float:
 
 
 class CannedClock:
-    """A clock read twice around each all-gather (:func:`fsdp_pass.plan.probe.time_all_gathers`): the pair of
+    """A clock read twice around each all-gather (:func:`fsdp_pass.cost.probe.time_all_gathers`): the pair of
     reads of gather k lies ``seconds[k]`` apart."""
 
     def __init__(self, seconds):
@@ -93,7 +93,7 @@ def probe_small(repeats: int = 2):
     fastest). The matmul, the overlap and the host are timed for real."""
     import torch.distributed as dist
 
-    from fsdp_pass.plan.probe import _sizes
+    from fsdp_pass.cost.probe import _sizes
 
     rank = dist.get_rank()
     sizes = _sizes(1 << 10, 1 << 20)
@@ -107,7 +107,7 @@ def probe_small(repeats: int = 2):
 
 
 def test_probe_measures_again_when_noise_hides_the_bandwidth():
-    from fsdp_pass.plan.probe import fitted
+    from fsdp_pass.cost.probe import fitted
 
     noisy = [(1 << 10, 3e-3), (1 << 20, 1e-3)]  # the small gather slower than the large: nothing to fit
     clean = [(1 << 10, 1e-4), (1 << 20, 1e-3)]
@@ -161,7 +161,7 @@ def test_a_causal_attention_run_as_one_kernel_counts_the_pairs_it_computes():
     import thunder.torch as ltorch
     import torch
 
-    from fsdp_pass.plan.op_flops import causal_pairs, estimated_flops
+    from fsdp_pass.cost.op_flops import causal_pairs, estimated_flops
 
     b, h, s, d = 2, 3, 64, 16
     q = torch.empty(b, h, s, d, device="meta")

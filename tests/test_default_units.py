@@ -1,4 +1,4 @@
-"""``units=`` left out: the step model chooses the units (fsdp_pass/plan/default_units.py, issue 40 item 1).
+"""``units=`` left out: the step model chooses the units (fsdp_pass/search/default_units.py, issue 40 item 1).
 
 One dry run with the default units (test_explain's model at 2 ranks) and the shared one with ``units="blocks"``
 (test_explain's); everything else prices candidates on the dry run's step summary, without compiling. The gloo
@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 
 from fsdp_pass import FSDP, FSDPError
-from fsdp_pass.plan.cost_model import DEFAULTS
-from fsdp_pass.plan.default_units import StepModelUnits, candidate, choose_units
-from fsdp_pass.plan.step_model import predict
+from fsdp_pass.cost.cost_model import DEFAULTS
+from fsdp_pass.search.default_units import StepModelUnits, candidate, choose_units
+from fsdp_pass.cost.step_model import predict
 from fsdp_pass.plan.unit_policies import Blocks
-from fsdp_pass.plan.unit_search import block_starts
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.search.unit_search import block_starts
+from fsdp_pass.text import human_bytes
 from tests.dry_runs import model_dry_run
 
 CPU = DEFAULTS["cpu-gloo"]
@@ -51,7 +51,7 @@ def test_the_default_units_are_the_step_models_fastest_within_blocks_peak(defaul
     def zero3(units):  # ZeRO-3 over these units, the last one resharded where the step model predicts less peak
         return candidate(units, options, summary)
 
-    # the compiled plans reshard as the priced candidates do (ZeRO-3's last unit: plan.last_unit, both plans)
+    # the compiled plans reshard as the priced candidates do (ZeRO-3's last unit: search.last_unit, both plans)
     assert tuple(u.reshard_after_forward for u in plan.units) == zero3(starts).reshard
     assert tuple(u.reshard_after_forward for u in blocks.explanation.plan.units) == zero3(block_starts(summary)).reshard
     chosen = predict(summary, zero3(starts), CPU)

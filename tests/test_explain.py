@@ -25,7 +25,7 @@ from fsdp_pass.report.memory import (
     live_over_step,
     step_memory,
 )
-from fsdp_pass.report.text import human_bytes, human_count
+from fsdp_pass.text import human_bytes, human_count
 from tests import explain_cases, tolerances
 from tests.dry_runs import model_dry_run
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_pass import FSDP, fake_process_group
 from fsdp_pass.functional import derive_backward_and_lower, functional_trace, shard_functional_trace
 from fsdp_pass.pipeline import reschedule
-from fsdp_pass.plan.cost_model import DEFAULTS, LinkCost
+from fsdp_pass.cost.cost_model import DEFAULTS, LinkCost
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE
 from tests import models
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters

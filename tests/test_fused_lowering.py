@@ -34,7 +34,7 @@ from fsdp_pass.predicates import (
 )
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.overlap import overlap_report
-from fsdp_pass.report.text import collective_label
+from fsdp_pass.text import collective_label
 from fsdp_pass_executors import comm_ex
 from tests import explain_cases, models, rank_cases, tolerances
 

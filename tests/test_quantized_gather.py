@@ -41,7 +41,7 @@ from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.measure import allocated_during
 from fsdp_pass.report.overlap import overlap_report
 from fsdp_pass.report.step_stats import step_stats
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from fsdp_pass_executors import comm_ex
 from tests import explain_cases, quantized_cases, tolerances
 from tests.dry_runs import model_dry_run

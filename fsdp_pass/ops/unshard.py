@@ -68,7 +68,7 @@ def gathers_nothing(world_size: int, cast: bool, moved: bool) -> bool:
     The unit's parameters are then views of its shards (a reshape: a 0-d parameter's shard has one row), with no
     packing, collective or copy-out, so a unit kept gathered for the backward holds no bytes more than one
     resharded, and the backward's gather of a resharded unit is those views again. The memory model
-    (:mod:`fsdp_pass.plan.candidate_costs`) counts by this rule."""
+    (:mod:`fsdp_pass.cost.candidate_costs`) counts by this rule."""
     return world_size == 1 and not (cast or moved)
 
 

@@ -39,7 +39,7 @@ from fsdp_pass.predicates import (
     unit_of_op,
 )
 from fsdp_pass.plan.quantized_layout import quantized_layout
-from fsdp_pass.report.text import collective_label, human_bytes
+from fsdp_pass.text import collective_label, human_bytes
 
 
 def _label(plan: UnitPlan, unit, kind: CollectiveKind, bsym, hsdp: bool) -> str:

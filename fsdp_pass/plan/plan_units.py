@@ -5,8 +5,8 @@
 3. Split a group that mixes dtypes into one unit per dtype (one flat buffer needs one dtype).
 4. Decide per unit whether it reshards after forward: ZeRO-2 never; ZeRO-3 every unit, and the last one the
    forward gathers too only where the step model predicts a lower step peak for resharding it than for keeping
-   it gathered into the backward (:mod:`~fsdp_pass.plan.last_unit`; a tie keeps it: a gather saved), priced on the
-   step summary every rank plans from (``summary``: :mod:`~fsdp_pass.plan.planned_from`). Where the model cannot
+   it gathered into the backward (:mod:`~fsdp_pass.search.last_unit`; a tie keeps it: a gather saved), priced on the
+   step summary every rank plans from (``summary``: :mod:`~fsdp_pass.search.planned_from`). Where the model cannot
    price the units (no summary, a unit that splits a piece, a schedule it does not follow) a byte rule decides
    (:func:`keeps_last_unit`): the last unit reshards where what the forward computes after its last use (the
    summary's :func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`) outgrows it. ``reshard_after_forward``
@@ -26,13 +26,13 @@ from fsdp_pass.plan.computed_after import compute_after
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
-from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.last_unit import last_unit, starts_of
-from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.cost.candidate_costs import Candidate
+from fsdp_pass.search.last_unit import last_unit, starts_of
+from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
@@ -59,7 +59,7 @@ def _split_by_dtype(groups, sharding: ShardingPlan, notes: list[str]):
 
 def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
     """ZeRO-3's rule for the last unit the forward gathers where the step model cannot price the units
-    (``reshard_after_forward=None``; else :mod:`~fsdp_pass.plan.last_unit` decides): keep it gathered into
+    (``reshard_after_forward=None``; else :mod:`~fsdp_pass.search.last_unit` decides): keep it gathered into
     the backward unless what the forward computes after its last use (``after_bytes``, :func:`~fsdp_pass.plan.computed_after.compute_after`: a
     loss computed inside the model; and a loss the caller computes on the outputs, :func:`caller_loss_bytes`)
     outgrows the unit (``unit_bytes``, gathered). The backward starts with those
@@ -176,8 +176,8 @@ def plan_units(
 
     ``param_of_arg``: the trace's parameter arguments (:func:`~fsdp_pass.plan.trace_arguments.parameter_names_of_args`);
     ``tree``: the module tree the policy reads (without it every parameter hangs off the root); ``summary``: the
-    step summary the plan is decided from (:mod:`~fsdp_pass.plan.step_summary`; in the pipeline the one every rank
-    plans from, :mod:`~fsdp_pass.plan.planned_from`, whatever this trace's shapes), from which the step model
+    step summary the plan is decided from (:mod:`~fsdp_pass.cost.step_summary`; in the pipeline the one every rank
+    plans from, :mod:`~fsdp_pass.search.planned_from`, whatever this trace's shapes), from which the step model
     decides ZeRO-3's last unit (where the model cannot price the units, the byte rule :func:`keeps_last_unit` does
     from its bytes; without it, from this trace's, with the caller's loss taken as none).
     """

@@ -37,7 +37,7 @@ from fsdp_pass_executors import dry_run_choice
 from fsdp_pass.errors import check
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.report.explain import Explanation, explain_step
-from fsdp_pass.plan.cost_model import DEFAULTS
+from fsdp_pass.cost.cost_model import DEFAULTS
 from fsdp_pass.report.meta_attention import sdpa_on_meta_as_cuda
 from fsdp_pass.report.meta_autocast import autocast_on_meta_as
 from fsdp_pass.report.repeated_layers import traced_once_per_layer_stack
@@ -91,7 +91,7 @@ DEVICES = ("cuda", "cpu")
 
 def target_device(cost=None) -> str:
     """The device a dry run lowers for by default: ``"cuda"`` when the cost inputs (a name of
-    :data:`~fsdp_pass.plan.cost_model.DEFAULTS` or a ``CostInputs``) are a GPU's, i.e. their host queues work ahead
+    :data:`~fsdp_pass.cost.cost_model.DEFAULTS` or a ``CostInputs``) are a GPU's, i.e. their host queues work ahead
     of the device (CUDA streams); else ``"cpu"`` (also with no cost inputs)."""
     inputs = DEFAULTS.get(cost) if isinstance(cost, str) else cost
     return "cuda" if getattr(inputs, "host_async", False) else "cpu"

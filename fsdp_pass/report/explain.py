@@ -51,7 +51,7 @@ from fsdp_pass.report.memory import (
 )
 from fsdp_pass.report.overlap import CollectiveOverlap, step_overlap
 from fsdp_pass.report.step_stats import StepStats, floor_bytes, step_stats
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "sgd-momentum": 1, "none": 0}
 

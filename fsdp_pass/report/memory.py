@@ -510,7 +510,7 @@ def caller_loss(outputs, dtype=None) -> tuple[tuple[str, int], ...]:
     output (in ``dtype`` where given: the mixed precision's ``output_dtype``, which the outputs are cast to after
     planning). None where one of them is 0-d: that is a loss computed inside the model (a Hugging Face model fed
     labels), traced. The one definition the memory model (:func:`step_memory`) and ZeRO-3's last-unit rule
-    (:func:`fsdp_pass.plan.step_summary.caller_loss_bytes`) price the caller's loss by."""
+    (:func:`fsdp_pass.cost.step_summary.caller_loss_bytes`) price the caller's loss by."""
     if has_own_loss(outputs):
         return ()
     return tuple(

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 
 import thunder
+from thunder.core.codeutils import SigInfo
 from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, from_trace, tracectx
 from torch import nn
@@ -308,8 +309,6 @@ def _ordered_args(args, new, name_of) -> list:
 
 
 def _siginfo(trace, args):
-    from thunder.core.codeutils import SigInfo
-
     si = SigInfo(trace.siginfo().name)
     si.args = [(p.name, None) for p in args]
     return si

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.distributed_c10d import _get_process_group_store  # torch has no public name for it
 
 from fsdp_pass.errors import check
 
@@ -126,8 +127,6 @@ def reduced_across_ranks(values, op, group=None) -> list[float]:
 def group_store(group):
     """The key-value store ``group``'s ranks met through (the TCPStore ``init_process_group`` made, prefixed
     for the group): what :mod:`fsdp_pass.verify.ranks_arrive` counts arrivals on, with no collective."""
-    from torch.distributed.distributed_c10d import _get_process_group_store  # torch has no public name for it
-
     return _get_process_group_store(group)
 
 

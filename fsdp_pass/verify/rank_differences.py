@@ -7,7 +7,7 @@ compares rank 0's with every other rank's and gives ``(message, what to do)`` fo
 
 - the plans are the same: the steps' collectives differ because the model's forward does (it uses other modules for
   other inputs, or a rank is in ``no_sync()``/``torch.no_grad()`` alone): the user's to fix;
-- the plans differ: every rank plans once, from the step all ranks agree on (:mod:`fsdp_pass.plan.planned_from`),
+- the plans differ: every rank plans once, from the step all ranks agree on (:mod:`fsdp_pass.search.planned_from`),
   so they should not; the message says so and names the first unit that differs, rather than blame the model.
 """
 

@@ -3,8 +3,8 @@ its backward's working set) and its seconds (forward compute, its collectives on
 on the compute queue, a checkpointed unit's recompute). ``unit_costs(summary, candidate, cost) -> list[UnitCost]``.
 
 A :class:`Candidate` is what the planner decides: the units (runs of consecutive pieces of a
-:class:`~fsdp_pass.plan.step_summary.StepSummary`), which of them reshard after forward, the prefetch depth (one for
-all, or one per unit), offload, checkpointing. :mod:`~fsdp_pass.plan.step_model` runs the units' costs through the
+:class:`~fsdp_pass.cost.step_summary.StepSummary`), which of them reshard after forward, the prefetch depth (one for
+all, or one per unit), offload, checkpointing. :mod:`~fsdp_pass.cost.step_model` runs the units' costs through the
 step's two queues and its memory; its docstring says how each cost is priced.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from fsdp_pass.ops.flat_buffers import unpack_is_view
 from fsdp_pass.plan.checkpointing import FULL, NONE
-from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.cost.cost_model import CostInputs
+from fsdp_pass.cost.step_summary import StepSummary
 
 # ops the torch executor runs per op of the functional trace (views, re-layouts and decompositions added): the
 # benchmark model's forward, 136 traced ops run as 259 (backward 544, about twice), `scratch` count of

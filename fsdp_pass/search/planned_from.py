@@ -1,9 +1,9 @@
 """The step every rank plans from: ``agree_on_step(summary, group) -> PlannedFrom``, at the model's first compile.
 
-What a plan decides from the step summary (:mod:`~fsdp_pass.plan.step_summary`) depends on the step's activations,
-so on the shape of the batch the step was traced for: the default units (:mod:`~fsdp_pass.plan.default_units`),
-``FSDP("auto")``'s units, resharding, prefetch depths and checkpointing (:mod:`~fsdp_pass.plan.auto_plan`), ZeRO-3's
-last unit (:mod:`~fsdp_pass.plan.last_unit`, and the byte rule of :mod:`~fsdp_pass.plan.plan_units`). Ranks may feed
+What a plan decides from the step summary (:mod:`~fsdp_pass.cost.step_summary`) depends on the step's activations,
+so on the shape of the batch the step was traced for: the default units (:mod:`~fsdp_pass.search.default_units`),
+``FSDP("auto")``'s units, resharding, prefetch depths and checkpointing (:mod:`~fsdp_pass.search.auto_plan`), ZeRO-3's
+last unit (:mod:`~fsdp_pass.search.last_unit`, and the byte rule of :mod:`~fsdp_pass.plan.plan_units`). Ranks may feed
 batches of different shapes, and ranks that plan differently issue different collectives: a hang on NCCL. So:
 
 1. At the model's first compile (its first call: every rank compiles there), every rank sends its step summary to
@@ -22,7 +22,7 @@ batches of different shapes, and ranks that plan differently issue different col
    is possible. A batch larger than every first one does not change the plan.
 
 The cost inputs and the budget are agreed earlier, when the model is sharded (rank 0's on every rank:
-:func:`~fsdp_pass.plan.decisions.settle_planning_inputs`).
+:func:`~fsdp_pass.search.decisions.settle_planning_inputs`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
 

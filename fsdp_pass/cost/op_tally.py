@@ -3,9 +3,9 @@ the piece whose parameter the trace read last before it. ``ops_by_piece(computat
 
 For each piece: FLOPs and op counts (all, and the matmuls' and attentions' part), the bytes the elementwise ops move,
 the largest result the forward does not return, what the backward keeps (all, and what the selective checkpointing
-level keeps; under a fusion executor as :mod:`~fsdp_pass.plan.fused_saves` says), the kept results that later pieces
+level keeps; under a fusion executor as :mod:`~fsdp_pass.cost.fused_saves` says), the kept results that later pieces
 read, whether the backward reads its parameters, and the scores of an attention computed op by op.
-:mod:`~fsdp_pass.plan.step_summary` turns the tally into its pieces; its docstring says what each count means.
+:mod:`~fsdp_pass.cost.step_summary` turns the tally into its pieces; its docstring says what each count means.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from thunder.core.proxies import TensorProxy
 
-from fsdp_pass.plan.fused_saves import is_copy, is_elementwise, kept_after_fusion
-from fsdp_pass.plan.op_flops import estimated_flops, is_attention, is_matmul_like
-from fsdp_pass.plan.saved_tensors import Saved, saved_by_op
+from fsdp_pass.cost.fused_saves import is_copy, is_elementwise, kept_after_fusion
+from fsdp_pass.cost.op_flops import estimated_flops, is_attention, is_matmul_like
+from fsdp_pass.cost.saved_tensors import Saved, saved_by_op
 from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_return, is_view_like
 
 
@@ -47,7 +47,7 @@ def attention_scores_bytes(bsym, masked: bool = True) -> int:
 
 def _kept_by(bsym, fused_attention, needs_grad) -> Saved:
     """What ``bsym`` keeps for the backward: a fused attention its inputs and output; another op what Thunder's
-    autodiff keeps of it (:mod:`~fsdp_pass.plan.saved_tensors`); where Thunder cannot be asked, its inputs
+    autodiff keeps of it (:mod:`~fsdp_pass.cost.saved_tensors`); where Thunder cannot be asked, its inputs
     unless its gradient reads none (an attention computed op by op: its scores too)."""
     args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
     outs = [p for p in bsym.flat_proxy_outs if isinstance(p, TensorProxy)]
@@ -93,7 +93,7 @@ def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attent
                  outputs: frozenset[str] = frozenset(), fuses: bool = False, region_of=None) -> Tally:
     """FLOPs, op counts, elementwise bytes moved, largest results (``outputs``, the names the forward returns,
     left out), kept bytes (all, and those matmuls make; ``fuses``: as a fusion executor keeps them,
-    :mod:`~fsdp_pass.plan.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
+    :mod:`~fsdp_pass.cost.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
     the piece whose parameter the trace read last before it."""
     t = Tally(*([0] * n for _ in range(12)))
     t.flops, t.matmul_flops = [0.0] * n, [0.0] * n

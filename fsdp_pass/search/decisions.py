@@ -8,10 +8,10 @@ batch each rank's step was traced for. So:
    ``FSDP("auto")`` and the default units plan with (the user's, else the device's defaults), rank 0's on every rank
    (a collective where the group has peers).
 2. At the model's first compile, every rank agrees on the step summary it plans from
-   (:func:`~fsdp_pass.plan.planned_from.agree_on_step`, a collective where the group has peers), and
+   (:func:`~fsdp_pass.search.planned_from.agree_on_step`, a collective where the group has peers), and
    :func:`decided_options` makes the decisions from it: ``FSDP("auto")``'s units, resharding, prefetch depths and
-   checkpointing (:func:`~fsdp_pass.plan.auto_options.plan_auto`), or the default units
-   (:func:`~fsdp_pass.plan.default_units.units_for`). ZeRO-3's last unit is decided by
+   checkpointing (:func:`~fsdp_pass.search.auto_options.plan_auto`), or the default units
+   (:func:`~fsdp_pass.search.default_units.units_for`). ZeRO-3's last unit is decided by
    :func:`~fsdp_pass.plan.plan_units.plan_units` from the same summary.
 3. At a later compile (another input shape on one rank alone, where no collective is possible; ``no_sync``),
    ``first`` is the first compile's plan: its summary, its auto plan and its choice of units are taken as they are,
@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fsdp_pass.plan.auto_options import agreed_settings, options_of_auto_plan, plan_auto
-from fsdp_pass.plan.default_units import StepModelUnits, options_with_units, units_for
+from fsdp_pass.search.auto_options import agreed_settings, options_of_auto_plan, plan_auto
+from fsdp_pass.search.default_units import options_with_units, settled_units, units_for
 from fsdp_pass.plan.options import FSDPOptions
-from fsdp_pass.plan.planned_from import PlannedFrom
+from fsdp_pass.plan.unit_policies import StepModelUnits
+from fsdp_pass.search.planned_from import PlannedFrom
 
 
 def settle_planning_inputs(options: FSDPOptions, device, group) -> FSDPOptions:
@@ -37,7 +38,7 @@ def settle_planning_inputs(options: FSDPOptions, device, group) -> FSDPOptions:
     if options.auto is not None:
         return replace(options, auto=agreed_settings(options.auto, device, group))
     if isinstance(options.unit_policy, StepModelUnits):
-        return replace(options, unit_policy=options.unit_policy.settled(device, group))
+        return replace(options, unit_policy=settled_units(options.unit_policy, device, group))
     return options
 
 

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import thunder
 import torch
+from thunder.common import CompileData
 from thunder.core import dtypes, prims
 from thunder.core.compile_data import compile_data_and_stats, get_compile_data
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten, tree_map
+from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
 from fsdp_pass.predicates import is_return, is_view_like
 
@@ -71,18 +74,12 @@ def _executors():
     cd = get_compile_data()
     if cd is not None and cd.executors_list is not None:
         return tuple(cd.executors_list)
-    import thunder
-
     return tuple(thunder.get_default_executors())
 
 
 def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors):
     """(argument names, output names, kept tensors, {a kept tensor's name: the argument it converts}) of the op
     traced alone and differentiated by Thunder."""
-    import thunder
-    from thunder.common import CompileData
-    from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
-
     args = _tensor_args(bsym)
     names = [p.name for p in args]
     metas = [

@@ -2,12 +2,12 @@
 the options the other stages read, as if the user had written them.
 
 ``step_summary(computation, param_of_arg, model, options) -> StepSummary`` (every compile makes one: the step
-model prices hand-written plans from it too, :mod:`fsdp_pass.plan.price_plan`), then
+model prices hand-written plans from it too, :mod:`fsdp_pass.cost.price_plan`), then
 ``plan_auto(summary, model, options) -> AutoPlan`` and ``options_of_auto_plan(plan, options) -> options``
 
-1. The trace summarized into pieces (:mod:`fsdp_pass.plan.step_summary`).
-2. Plan (:func:`~fsdp_pass.plan.auto_plan.plan_step`) from the summary every rank plans from
-   (:mod:`~fsdp_pass.plan.planned_from`), with the settings' cost inputs, else the defaults of the device the step
+1. The trace summarized into pieces (:mod:`fsdp_pass.cost.step_summary`).
+2. Plan (:func:`~fsdp_pass.search.auto_plan.plan_step`) from the summary every rank plans from
+   (:mod:`~fsdp_pass.search.planned_from`), with the settings' cost inputs, else the defaults of the device the step
    computes on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), and the settings' budget, else the CUDA device's
    memory (no bound on the CPU or the meta device).
 3. The plan's units become a unit policy (:class:`PlannedUnits`), its resharding a ``reshard_after_forward``
@@ -16,7 +16,7 @@ model prices hand-written plans from it too, :mod:`fsdp_pass.plan.price_plan`), 
    :class:`~fsdp_pass.plan.schedule.Schedule`.
 
 When the model is sharded, every rank takes rank 0's settings (:func:`agreed_settings`); at the first compile every
-rank plans from the same step; later compiles keep the first one's plan (:mod:`~fsdp_pass.plan.decisions`). Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to``
+rank plans from the same step; later compiles keep the first one's plan (:mod:`~fsdp_pass.search.decisions`). Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to``
 given the plan offloads; without it, a plan that needs offload is an FSDPError saying to pass
 ``offload_to="cpu"``.
 """
@@ -28,15 +28,15 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.plan.auto_plan import plan_step
-from fsdp_pass.plan.auto_plan_text import AutoPlan
-from fsdp_pass.plan.cost_model import device_defaults
-from fsdp_pass.plan.fused_saves import fuses_elementwise
+from fsdp_pass.search.auto_plan import plan_step
+from fsdp_pass.search.auto_plan_text import AutoPlan
+from fsdp_pass.cost.cost_model import device_defaults
+from fsdp_pass.cost.fused_saves import fuses_elementwise
 from fsdp_pass.plan.options import AutoSettings, FSDPOptions
 from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.plan.step_summary import StepSummary, summarize
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.step_summary import StepSummary, summarize
+from fsdp_pass.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
 
@@ -76,7 +76,7 @@ class CheckpointNamed:
 
 def agreed_settings(settings: AutoSettings, device, group) -> AutoSettings:
     """``settings`` with the device's defaults filled in, and rank 0's on every rank of ``group`` (collective): a
-    plan is a function of these and of the step every rank plans from (:mod:`~fsdp_pass.plan.planned_from`), so
+    plan is a function of these and of the step every rank plans from (:mod:`~fsdp_pass.search.planned_from`), so
     every rank plans the same collectives (the cost inputs of a probe, or a device's memory, could differ between
     ranks by a little)."""
     default_cost, default_budget = device_defaults(device)

@@ -9,7 +9,7 @@
 ``alpha_s`` is the latency each collective pays whatever its size (why one collective per unit beats one per
 parameter); ``bytes_per_s`` is what a rank sends per second once the collective is large (NCCL calls it the
 bus bandwidth). :func:`fit_link` finds both from measured (bytes sent, seconds) pairs, by least squares on
-that line; :mod:`fsdp_pass.plan.probe` measures them on the user's ranks.
+that line; :mod:`fsdp_pass.cost.probe` measures them on the user's ranks.
 
 ``CostInputs``: the link of the shard group (under HSDP also the one between its replicas, ``probe(group=the
 replicate group)`` measures it), the device's matmul rate, the copy rate to and from the host (what offloading
@@ -61,7 +61,7 @@ def fit_link(points) -> LinkCost:
     check(
         len(set(xs)) >= 2 and min(ys, default=0) > 0,
         f"fit_link needs positive times at two sizes or more, got {len(set(xs))} size(s).",
-        "Measure collectives of several sizes, e.g. 1 KiB to 16 MiB (fsdp_pass.plan.probe does).",
+        "Measure collectives of several sizes, e.g. 1 KiB to 16 MiB (fsdp_pass.cost.probe does).",
     )
     w = [1.0 / y**2 for y in ys]
     sw = sum(w)

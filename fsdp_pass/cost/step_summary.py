@@ -7,7 +7,7 @@ Pieces are ordered by first use in the forward trace; a unit the planner makes i
 pieces, so it can merge blocks (``layers.3`` with ``layers.4``) or split one (its attention from its MLP).
 
 Read off the functional forward trace, before any rewriting (items 3 to 5 in one walk over its ops,
-:mod:`~fsdp_pass.plan.op_tally`):
+:mod:`~fsdp_pass.cost.op_tally`):
 
 1. ``gathered_bytes``: the piece's unsharded parameters as the step holds them once gathered, in the dtype it
    computes in (the mixed precision's ``param_dtype``, else their own); ``sent_bytes`` as its gather moves them
@@ -15,10 +15,10 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    from the gather's issue to its dequantize); ``grad_bytes`` the parameters in the dtype they are reduced in.
 2. ``shard_bytes``: what this rank keeps of them between steps (padding included).
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
-   :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, about half that
+   :func:`~fsdp_pass.cost.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, about half that
    when causal and run as one kernel, others one per output element).
 4. ``activation_bytes``: what the backward keeps of those ops, as Thunder's autodiff keeps it
-   (:mod:`~fsdp_pass.plan.saved_tensors`: each op differentiated alone): the results it keeps, each charged
+   (:mod:`~fsdp_pass.cost.saved_tensors`: each op differentiated alone): the results it keeps, each charged
    to the piece whose op made it (a view to what it views), and the intermediates of the decompositions it
    differentiates through (a tanh GELU's, a layer norm's, an attention's scores where no executor runs it as
    one kernel with a backward of its own: torch's SDPA on CUDA keeps a log-sum-exp per row, left out).
@@ -26,7 +26,7 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    ``read_later`` the results that later pieces read, and the kept ones that the ops after the piece's last
    parameter read make or read (a residual add after the last matmul, the next norm's reduction: outside what a
    checkpointed unit recomputes), which a checkpointed unit keeps. On a fusion executor (the CUDA lowering) the
-   elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.plan.fused_saves`), and
+   elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.cost.fused_saves`), and
    selective checkpointing keeps what the chains through the copies start from too (the fused kernels recompute
    the ops between the matmuls at both levels; the selective level the copies as well: grouped-query attention's
    k and v projections, not their repeated copies), ``matmul_read_later`` the part of ``read_later`` it counts.
@@ -39,7 +39,7 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    The dry run's traced peak (``explain()``) is the check.
 
 5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
-   views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them), ``matmul_ops`` and ``matmul_flops`` the
+   views, re-layouts; :mod:`~fsdp_pass.cost.step_model` scales them), ``matmul_ops`` and ``matmul_flops`` the
    matmuls' and attentions' part; ``moved_bytes``: what the ops that are
    neither matmuls nor views read and write (elementwise ops, reductions, normalizations), their tensors' bytes;
    ``largest_result_bytes``: the largest floating-point result of those ops that the forward does not return, a
@@ -68,7 +68,7 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
 10. ``after_last_read`` (of the whole step): per parameter, the bytes the forward computes after its last read
    (:func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`): ZeRO-3's last-unit rule where the step model
    cannot price the units (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`) reads them here, from the summary
-   every rank plans from (:mod:`~fsdp_pass.plan.planned_from`), not from a rank's own trace.
+   every rank plans from (:mod:`~fsdp_pass.search.planned_from`), not from a rank's own trace.
 
 No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused
 (``fused_attention(bsym)``), so the planner can be tested on hand-made summaries.
@@ -84,7 +84,7 @@ from thunder.core.pytree import tree_flatten
 from fsdp_pass.ops.unshard import gathers_nothing
 from fsdp_pass.plan.computed_after import bytes_after_last_read
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
-from fsdp_pass.plan.op_tally import ops_by_piece, tensor_bytes
+from fsdp_pass.cost.op_tally import ops_by_piece, tensor_bytes
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput

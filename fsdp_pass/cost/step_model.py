@@ -1,9 +1,9 @@
 """Predict one step of a candidate plan: its time and its peak memory, from a
-:class:`~fsdp_pass.plan.step_summary.StepSummary` and :class:`~fsdp_pass.plan.cost_model.CostInputs`.
+:class:`~fsdp_pass.cost.step_summary.StepSummary` and :class:`~fsdp_pass.cost.cost_model.CostInputs`.
 
 ``predict(summary, candidate, cost) -> Prediction``. A :class:`Candidate` is what the planner decides: the
 units (runs of consecutive pieces), which of them reshard after forward, the prefetch depth (one for all, or
-one per unit), offload. Each unit's own bytes and seconds are :mod:`~fsdp_pass.plan.candidate_costs`'s
+one per unit), offload. Each unit's own bytes and seconds are :mod:`~fsdp_pass.cost.candidate_costs`'s
 (:func:`unit_costs`, with :class:`Candidate`, :func:`kept_and_recompute` and the constants named below); this
 module runs them through the step's two queues and its memory.
 
@@ -90,10 +90,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.plan.candidate_costs import Candidate, UnitCost, unit_costs
-from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.candidate_costs import Candidate, UnitCost, unit_costs
+from fsdp_pass.cost.cost_model import CostInputs
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.text import human_bytes
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # the default Schedule's bound
 

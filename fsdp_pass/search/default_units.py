@@ -2,14 +2,15 @@
 
 ``units="blocks"`` gives one unit per repeated block; that can be the slow plan (24 layers of d 64 on two gloo
 ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md). Left out, ``units=`` is
-:class:`StepModelUnits`, and the compile turns it into :class:`ChosenUnits`:
+:class:`~fsdp_pass.plan.unit_policies.StepModelUnits`, and the compile turns it into
+:class:`~fsdp_pass.plan.unit_policies.ChosenUnits`:
 
-1. When the model is sharded (:meth:`StepModelUnits.settled`): the cost inputs are the user's ``cost=``, else the
+1. When the model is sharded (:func:`settled_units`): the cost inputs are the user's ``cost=``, else the
    defaults of the device the parameters are on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), the budget
    the CUDA device's memory (no bound on the CPU); with peers, every rank takes rank 0's, so every rank plans
    from the same numbers (a probe or a device's memory could differ between ranks by a little).
 2. At the first compile (:func:`choose_units`), from the step summary every rank plans from
-   (:mod:`~fsdp_pass.plan.planned_from`): only the units are chosen. Strategy, ``reshard_after_forward``, the
+   (:mod:`~fsdp_pass.search.planned_from`): only the units are chosen. Strategy, ``reshard_after_forward``, the
    schedule's prefetch depth, checkpointing and offload stay what the user asked, and the step model prices each
    set of units with them. Memory first: FSDP is chosen to save memory, and memory the user did not offer is not
    spent (it may be meant for a larger batch), so the units must predict a peak no higher than one unit per
@@ -17,14 +18,14 @@ ranks: 2.74x DDP's step, while units of up to 1 MiB step in 0.34x, BENCHMARKS.md
    merge of two neighbouring units or the split of a unit at one of its pieces that shortens the predicted step
    most, until none does: merges of small pieces that raise no peak are taken. Moves that together shorten it by
    less than 2 % are given up for one unit per block (the model cannot promise so little). The search is the auto
-   planner's: :mod:`fsdp_pass.plan.unit_search`; ``FSDP("auto", memory_budget=...)`` spends a budget for speed.
+   planner's: :mod:`fsdp_pass.search.unit_search`; ``FSDP("auto", memory_budget=...)`` spends a budget for speed.
 3. Plans the step model cannot price keep one unit per block, with the reason: a schedule that is not a
    prefetch depth (``schedule=None``, ``max_unused_bytes``, ``prefetch_by_unit``), a
    ``reshard_after_forward`` or ``checkpoint_activations`` that is a function of the unit (it reads names the
    merged units would not have).
 4. The choice is a pure function of the summary, the options and the settled cost inputs and budget, so the same
    on every rank. The transform keeps the first compile's choice for later compiles of the model (another input
-   shape, ``no_sync``), so they do not plan again (:mod:`~fsdp_pass.plan.decisions`).
+   shape, ``no_sync``), so they do not plan again (:mod:`~fsdp_pass.search.decisions`).
 
 ``explain()`` prints the choice and why (:class:`UnitsChoice`): the units, the predicted step and peak against one
 unit per block's, and what memory first gave up: the fastest units the search finds without the bound, their step
@@ -37,53 +38,29 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
-from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, device_defaults
+from fsdp_pass.cost.candidate_costs import Candidate
+from fsdp_pass.cost.cost_model import DEFAULTS, CostInputs, device_defaults
 from fsdp_pass.plan.sharding import Strategy
-from fsdp_pass.plan.step_model import Prediction, ms, predict
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
-from fsdp_pass.plan.last_unit import zero3_reshards
-from fsdp_pass.plan.unit_search import NO_MOVE, Priced, block_starts, greedy_units, unit_names
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.step_model import Prediction, ms, predict
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.plan.options import constant_checkpoint_level
+from fsdp_pass.plan.unit_policies import Blocks, ChosenUnits, StepModelUnits
+from fsdp_pass.search.last_unit import zero3_reshards
+from fsdp_pass.search.unit_search import NO_MOVE, Priced, block_starts, greedy_units, unit_names
+from fsdp_pass.text import human_bytes
 from fsdp_pass.shard.groups import has_peers
 
 
-class StepModelUnits:
-    """``units=`` left out: the step model chooses the units at the first compile (module docstring). Without a
-    step summary (the functional path), one unit per block."""
-
-    name = "step_model"
-
-    def __init__(self, cost: CostInputs | None = None, budget: int | None = None, settled: bool = False):
-        self.cost, self.budget, self.is_settled = cost, budget, settled
-
-    def groups(self, inp: PolicyInput) -> list:
-        return Blocks().groups(inp)
-
-    def settled(self, device, group) -> StepModelUnits:
-        """The cost inputs and budget filled in from ``device`` (the user's ``cost=`` first), rank 0's on every
-        rank of ``group`` (collective, when the group has peers)."""
-        default_cost, budget = device_defaults(device)
-        chosen = (self.cost or default_cost, budget)
-        if has_peers(group):
-            box = [chosen]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-            chosen = box[0]
-        return StepModelUnits(*chosen, settled=True)
-
-
-class ChosenUnits:
-    """The units the step model chose (:class:`UnitsChoice`), as a unit policy."""
-
-    name = "step_model"
-
-    def __init__(self, choice: UnitsChoice):
-        self.choice = choice
-
-    def groups(self, inp: PolicyInput) -> list:
-        used = [(n, tuple(p for p in ps if p in inp.first_use)) for n, ps in self.choice.groups]
-        return [(n, ps) for n, ps in used if ps]
+def settled_units(policy: StepModelUnits, device, group) -> StepModelUnits:
+    """``policy`` with the cost inputs and budget filled in from ``device`` (the user's ``cost=`` first), rank 0's
+    on every rank of ``group`` (collective, when the group has peers)."""
+    default_cost, budget = device_defaults(device)
+    chosen = (policy.cost or default_cost, budget)
+    if has_peers(group):
+        box = [chosen]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        chosen = box[0]
+    return StepModelUnits(*chosen, settled=True)
 
 
 @dataclass(frozen=True)
@@ -142,8 +119,6 @@ class UnitsChoice:
 
 def _why_not_priced(options) -> str | None:
     """Why the step model cannot price the user's options with other units (None: it can)."""
-    from fsdp_pass.plan.options import constant_checkpoint_level
-
     s = options.schedule
     if s is None or s.max_unused_bytes is not None or not s.kept_units_first:
         return f"the schedule ({s!r}) is not one the step model follows: a prefetch depth, kept units first"
@@ -159,9 +134,7 @@ def _why_not_priced(options) -> str | None:
 def candidate(starts: tuple[int, ...], options, summary: StepSummary) -> Candidate:
     """``starts`` with the user's resharding, prefetch depth, checkpointing and offload (as plan_units applies
     them: ZeRO-3 reshards every unit but the last the forward gathers, that one too where the step model predicts
-    a lower step peak for it: :func:`~fsdp_pass.plan.last_unit.zero3_reshards`; ZeRO-2 none)."""
-    from fsdp_pass.plan.options import constant_checkpoint_level
-
+    a lower step peak for it: :func:`~fsdp_pass.search.last_unit.zero3_reshards`; ZeRO-2 none)."""
     k, override = len(starts), options.reshard_after_forward
     level = constant_checkpoint_level(options.checkpoint_activations)
     out = Candidate(starts, (bool(override),) * k, options.schedule.prefetch, options.offload_to is not None, (),
@@ -211,13 +184,13 @@ def choose_units(summary: StepSummary, options, cost: CostInputs, budget: int | 
 
 def units_for(summary: StepSummary, options) -> UnitsChoice:
     """The step model's choice for ``options`` (``units=`` left out) from the step ``summary``, with the settled cost
-    inputs and budget (:meth:`StepModelUnits.settled`; not settled: the CPU's, no other rank asked)."""
+    inputs and budget (:func:`settled_units`; not settled: the CPU's, no other rank asked)."""
     policy = options.unit_policy
     if not policy.is_settled:
-        policy = policy.settled(None, None)
+        policy = settled_units(policy, None, None)
     return choose_units(summary, options, policy.cost, policy.budget)
 
 
 def options_with_units(options, choice: UnitsChoice):
     """``options`` with ``StepModelUnits`` replaced by the ``choice`` (one unit per block where it could not choose)."""
-    return replace(options, unit_policy=Blocks() if choice.prediction is None else ChosenUnits(choice))
+    return replace(options, unit_policy=Blocks() if choice.prediction is None else ChosenUnits(choice.groups))

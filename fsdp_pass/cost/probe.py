@@ -7,7 +7,7 @@
    ``repeats`` times after one warm-up, every rank starting together (a barrier), the slowest rank's time
    kept (an all-reduce of the times, MAX), the fastest of the repeats (on a shared host the others measure
    the neighbours too).
-2. :func:`fsdp_pass.plan.cost_model.fit_link` fits ``seconds = alpha + sent / beta`` to (bytes each rank
+2. :func:`fsdp_pass.cost.cost_model.fit_link` fits ``seconds = alpha + sent / beta`` to (bytes each rank
    sent, seconds): the latency every collective pays, the bandwidth large ones reach. When the times do not
    grow with the size (a busy host's noise drowning the small sizes), the gathers are measured again with
    twice the repeats, up to three times in all; every rank holds the same times, so all retry together.
@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.op_names import ALL_GATHER
-from fsdp_pass.plan.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.cost.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
+from fsdp_pass.text import format_table, human_bytes
 from fsdp_pass.shard.groups import reduced_across_ranks, run_on_local_ranks
 
 
