@@ -5,6 +5,9 @@ Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forwa
   0. inputs    an integer input the step uses where torch takes int64 only is an FSDPError naming it, before
                anything is compiled (:func:`~fsdp_pass.shard.index_inputs.check_index_inputs`; the inputs' devices
                and the failures of tracing are checked where the call enters, :mod:`fsdp_pass.shard.input_checks`);
+               an in-place op a gradient flows through computes from a copy of the tensor it writes, which Thunder's
+               backward would otherwise read overwritten
+               (:func:`~fsdp_pass.passes.copy_before_in_place.copy_before_in_place`);
   1. plan      which parameters are gathered together, which units reshard after forward, which are
                checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
                auto planner chooses the units, their resharding and the prefetch depth first, with ``units=``
@@ -51,6 +54,7 @@ from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
+from fsdp_pass.passes.copy_before_in_place import copy_before_in_place
 from fsdp_pass.passes.collective_groups import gathered_parameters
 from fsdp_pass.passes.insert_finite_checks import insert_finite_checks
 from fsdp_pass.passes.insert_unshards import insert_unshards
@@ -90,6 +94,7 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     the ranks agree on the step they plan from here).
     """
     check_index_inputs(prologue, computation, argument_names)
+    computation = copy_before_in_place(computation)
     param_of_arg = parameter_names_of_args(prologue, computation)
     summary = step_summary(computation, param_of_arg, model, options, executors)
     planned_from = first.planned_from if first is not None else agree_on_step(summary, model.groups.everyone)

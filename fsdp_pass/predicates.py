@@ -173,6 +173,11 @@ def is_return(bsym) -> bool:
     return bsym.sym is prims.python_return
 
 
+def is_in_place(bsym) -> bool:
+    """An op Thunder tags as writing into its input (``a /= b``, ``x.add_(y)``)."""
+    return prims.OpTags.IN_PLACE in (bsym.sym.tags or ())
+
+
 def is_float_tensor(proxy) -> bool:
     """A tensor proxy of a floating-point dtype."""
     return isinstance(proxy, TensorProxy) and dtypes.is_float_dtype(proxy.dtype)
