@@ -229,7 +229,7 @@ class Reference:
         grads = [q.grad.float() for q in self.low.parameters()]
         for q in self.low.parameters():
             q.grad = None
-        return float(loss), grads
+        return float(loss.detach()), grads
 
     def _low_precision_step(self, batches):
         """Every (micro-batch, rank) slice through the low-precision copy, each computed on the first rank whose own
