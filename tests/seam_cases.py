@@ -13,6 +13,11 @@ resharding and the activation checkpointing itself (it starts from ZeRO-3 and ra
 ``checkpoint_activations=`` is passed): with it, "zero3" means ``FSDP("auto")`` on the world's group, "hsdp"
 ``FSDP("auto", mesh=...)``, and neither "zero2" nor "checkpoint" are combinations a user can ask for.
 
+One case beyond the covering (:data:`ONE_PLAN`) holds the one-plan seam: the default units with the cost a CUDA
+user gets (``cost="h100-nvlink"``) and first batches of other shapes on each rank (rows and tokens,
+:data:`SHAPES` ``"plans"``), from which a rank planning alone would choose other units; it reports what each rank
+would have planned alone (``tests/agreement_cases.plan_alone``) beside the plan it compiled at each step.
+
 The reference (:class:`Reference`) is one process: the same model from the same seed, with float32 master
 weights and the same optimizer. In float32 it is the eager model on the whole global batch (the ranks' rows and
 micro-batches together) when every rank has the same lengths, and the mean over the ranks of each rank's loss
