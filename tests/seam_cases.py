@@ -48,8 +48,8 @@ from fsdp_pass.predicates import is_finite_check
 from fsdp_pass.report.measure import CollectiveBytes
 from fsdp_pass.shard.global_view import gather_full
 from tests import hsdp_cases, models, tolerances
-from tests.quantized_cases import dequantized
 from tests.agreement_cases import _planned, plan_alone
+from tests.quantized_cases import dequantized
 from tests.rank_cases import _rel, _worst
 
 FACTORS = {  # the two four-valued factors first: the construction starts from their 16 pairs
@@ -67,7 +67,7 @@ TOLERANCE = {"fp32": tolerances.FLOAT32, "bf16": tolerances.SAME_CASTS, "int8": 
              "fp16": tolerances.SAME_CASTS}
 
 MODEL = "lean_lm"
-# one decoder block of width 32 (attention, RMS norms, an MLP: tests/models.py LeanLM), and "blocks" still makes three
+# one decoder block of width 32 (attention, RMS norms, an MLP: tests/models.py LeanLM), and "blocks" still makes four
 # units; a compile is most of a case's time, so the model has few modules and ops: the tiny GQA Llama's block (rotary
 # tables, grouped heads, norm modules) compiled in about twice the time, and two blocks in twice that
 CONFIG = {"d": 32, "n_layer": 1, "hidden": 48}
