@@ -186,20 +186,24 @@ class LeanBlock(nn.Module):
 
 
 class LeanLM(nn.Module):
-    """A language model of :class:`LeanBlock` s (token embedding, blocks, a final RMS weight, the head): fewer modules
-    and ops than :class:`TinyLlama` (no rotary tables, no grouped heads, no norm modules), so it compiles in about half
-    the time (3.4 CPU s against 6.4-8.1 for one block at width 32, plain ``thunder.jit``, forward and backward).
-    Not in :data:`MODELS` (the parity tests run those): the seam matrix (``tests/seam_cases.py``) builds it."""
+    """A language model of :class:`LeanBlock` s (token embedding plus a float32 table of sinusoidal positions, cast to
+    the activations' dtype as Llama-family models cast their rotary tables; blocks; a final RMS weight; the head):
+    fewer modules and ops than :class:`TinyLlama` (no rotary, no grouped heads, no norm modules), so it compiles in
+    about half the time (3.4 CPU s against 6.4-8.1 for one block at width 32, plain ``thunder.jit``, forward and
+    backward). Not in :data:`MODELS` (the parity tests run those): the seam matrix (``tests/seam_cases.py``)."""
 
-    def __init__(self, vocab=37, d=32, n_layer=1, n_head=2, hidden=48):
+    def __init__(self, vocab=37, d=32, n_layer=1, n_head=2, hidden=48, block_size=8):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
+        angles = torch.outer(torch.arange(block_size).float(), 1e-2 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("positions", torch.cat([angles.sin(), angles.cos()], -1), persistent=False)
         self.layers = nn.ModuleList(LeanBlock(d, n_head, hidden) for _ in range(n_layer))
         self.norm = nn.Parameter(torch.ones(d))
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):
         x = self.embed(idx)
+        x = x + self.positions[: idx.shape[1]].to(x.dtype)
         for layer in self.layers:
             x = layer(x)
         return self.lm_head(LeanBlock.rms(x, self.norm))
