@@ -39,7 +39,8 @@ After lowering, on the final forward and on the final backward trace: :func:`fin
                rank's verdict
                (:func:`~fsdp_pass.passes.insert_finite_checks.insert_finite_checks`);
   7. label     every collective and the ops around it named with its unit and bytes
-               (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
+               (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`), and the forward's copies made for
+               in-place ops (:func:`~fsdp_pass.passes.copy_before_in_place.label_copies`).
 
 :func:`reschedule` runs stages 5-7 again, with another schedule, on the lowered traces a compile kept: what
 compiling with that schedule gives, without compiling.
@@ -54,7 +55,7 @@ from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
-from fsdp_pass.passes.copy_before_in_place import copy_before_in_place
+from fsdp_pass.passes.copy_before_in_place import copy_before_in_place, label_copies
 from fsdp_pass.passes.collective_groups import gathered_parameters
 from fsdp_pass.passes.insert_finite_checks import insert_finite_checks
 from fsdp_pass.passes.insert_unshards import insert_unshards
@@ -145,6 +146,8 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         if phase == "forward":
             trace = insert_step_check(trace, step_key)
     trace = annotate_collectives(trace, plan, found)
+    if phase == "forward":
+        trace = label_copies(trace)
     return trace, {name: unit.name for name, (unit, _) in found.items()}
 
 

@@ -15,18 +15,23 @@ from before the write). Written out of place the same step is exact.
    inputs of ``target`` see it, as in eager); the backward reads the clone, which nothing overwrites.
 3. Any other op, and an in-place op no gradient flows through, is left as it is.
 
-The clone is labelled in the printed trace (its header names the in-place op it stands before). It costs one copy
-of the target, kept for the backward only where the op's gradient needs it: what eager PyTorch keeps too.
+The clone is labelled in the printed trace: here, and on the lowered forward by :func:`label_copies` (stage 7 of
+:mod:`fsdp_pass.pipeline`: lowering drops the header). It costs one copy of the target, kept for the backward only
+where the op's gradient needs it: what eager PyTorch keeps too.
 """
 
 from __future__ import annotations
 
 import thunder.torch as ltorch
-from thunder.core import prims
+from thunder.core import prims, utils
 from thunder.core.proxies import TensorProxy, variableify
 from thunder.core.trace import TraceProvenance, from_trace, tracectx
 
-from fsdp_pass.predicates import is_in_place
+from fsdp_pass.predicates import is_clone, is_copy_into, is_in_place
+
+
+def _header(target: str, op: str) -> str:
+    return f"fsdp_pass: {target} copied for the backward of the in-place {op} that writes it"
 
 
 def _tensors(proxies) -> list[TensorProxy]:
@@ -55,8 +60,7 @@ def _from_a_copy(new, bsym, target: TensorProxy) -> None:
     new.push_scope([])
     copied = ltorch.clone(target)
     (clone,) = new.pop_scope()
-    header = f"fsdp_pass: {target.name} copied for the backward of the in-place {bsym.sym.name} that writes it"
-    new.bound_symbols.append(clone.from_bsym(header=header))
+    new.bound_symbols.append(clone.from_bsym(header=_header(target.name, bsym.sym.name)))
     swap = {variableify(target): copied}
     new.bound_symbols.extend(sub.from_bsym_swap_proxies(swap) for sub in bsym.subsymbols[:-1])
     new.bound_symbols.append(bsym.subsymbols[-1])
@@ -77,4 +81,25 @@ def copy_before_in_place(trace) -> object:
                 new.bound_symbols.append(bsym)
     names = ", ".join(sorted({b.sym.name for b in rewrite}))
     new.set_provenance(TraceProvenance(f"fsdp_pass: in-place ops computed from a copy ({names})"))
+    return new
+
+
+def label_copies(trace) -> object:
+    """The lowered forward with each of this pass's clones labelled again: a clone of a tensor that a later ``copy_``
+    writes into, read by the op whose result that ``copy_`` writes (ops a fusion region took are not at top level)."""
+    producers = utils.producers(trace)
+    ours: dict[str, str] = {}  # clone's output -> the tensor it copies
+    for write in filter(is_copy_into, trace.bound_symbols):
+        value, target = write.args[0], write.args[1]
+        op = producers.get(value, None)
+        for arg in _tensors(op.flat_args if op is not None else ()):
+            made = producers.get(arg, None)
+            if made is not None and is_clone(made) and made.args[0].name == target.name:
+                ours[arg.name] = target.name
+    if not ours:
+        return trace
+    new = from_trace(trace)
+    new.bound_symbols = [b.from_bsym(header=_header(ours[b.output.name], "op")) if is_clone(b) and b.output.name in ours
+                         else b for b in trace.bound_symbols]
+    new.set_provenance(TraceProvenance("fsdp_pass: label the copies made for in-place ops"))
     return new
