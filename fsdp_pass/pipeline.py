@@ -5,6 +5,9 @@ Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forwa
   0. inputs    an integer input the step uses where torch takes int64 only is an FSDPError naming it, before
                anything is compiled (:func:`~fsdp_pass.shard.index_inputs.check_index_inputs`; the inputs' devices
                and the failures of tracing are checked where the call enters, :mod:`fsdp_pass.shard.input_checks`);
+               an in-place op a gradient flows through computes from a copy of the tensor it writes, which Thunder's
+               backward would otherwise read overwritten
+               (:func:`~fsdp_pass.passes.copy_before_in_place.copy_before_in_place`);
   1. plan      which parameters are gathered together, which units reshard after forward, which are
                checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
                auto planner chooses the units, their resharding and the prefetch depth first, with ``units=``
@@ -36,7 +39,8 @@ After lowering, on the final forward and on the final backward trace: :func:`fin
                rank's verdict
                (:func:`~fsdp_pass.passes.insert_finite_checks.insert_finite_checks`);
   7. label     every collective and the ops around it named with its unit and bytes
-               (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`).
+               (:func:`~fsdp_pass.passes.label_collectives.annotate_collectives`), and the forward's copies made for
+               in-place ops (:func:`~fsdp_pass.passes.copy_before_in_place.label_copies`).
 
 :func:`reschedule` runs stages 5-7 again, with another schedule, on the lowered traces a compile kept: what
 compiling with that schedule gives, without compiling.
@@ -51,6 +55,7 @@ from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
+from fsdp_pass.passes.copy_before_in_place import copy_before_in_place, label_copies
 from fsdp_pass.passes.collective_groups import gathered_parameters
 from fsdp_pass.passes.insert_finite_checks import insert_finite_checks
 from fsdp_pass.passes.insert_unshards import insert_unshards
@@ -90,6 +95,7 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     the ranks agree on the step they plan from here).
     """
     check_index_inputs(prologue, computation, argument_names)
+    computation = copy_before_in_place(computation)
     param_of_arg = parameter_names_of_args(prologue, computation)
     summary = step_summary(computation, param_of_arg, model, options, executors)
     planned_from = first.planned_from if first is not None else agree_on_step(summary, model.groups.everyone)
@@ -140,6 +146,8 @@ def finish_lowered(trace, phase: str, plan: UnitPlan, options: FSDPOptions, grou
         if phase == "forward":
             trace = insert_step_check(trace, step_key)
     trace = annotate_collectives(trace, plan, found)
+    if phase == "forward":
+        trace = label_copies(trace)
     return trace, {name: unit.name for name, (unit, _) in found.items()}
 
 

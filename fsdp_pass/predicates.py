@@ -173,6 +173,21 @@ def is_return(bsym) -> bool:
     return bsym.sym is prims.python_return
 
 
+def is_clone(bsym) -> bool:
+    """A copy of a tensor (``clone``), before lowering or after."""
+    return _id(bsym) in (prims.PrimIDs.CLONE, "clone")
+
+
+def is_copy_into(bsym) -> bool:
+    """``copy_(value, destination)``: how Thunder writes an in-place op's result into its tensor."""
+    return _id(bsym) in (prims.PrimIDs.COPY_, "copy_")
+
+
+def is_in_place(bsym) -> bool:
+    """An op Thunder tags as writing into its input (``a /= b``, ``x.add_(y)``)."""
+    return prims.OpTags.IN_PLACE in (bsym.sym.tags or ())
+
+
 def is_float_tensor(proxy) -> bool:
     """A tensor proxy of a floating-point dtype."""
     return isinstance(proxy, TensorProxy) and dtypes.is_float_dtype(proxy.dtype)

@@ -97,10 +97,10 @@ def _ragged_batch(step: int, rank: int):
 
 def plan_alone(summary, strategy: str, **fsdp_kwargs) -> tuple:
     """What a rank planning from the step ``summary`` alone would choose with ``FSDP(strategy, **fsdp_kwargs)`` on
-    the CPU: (unit names, which reshard after forward, the checkpointed units' levels), by the library's own
-    decisions on that one summary."""
-    cost = DEFAULTS["cpu-gloo"]
+    the CPU (with the ``cost=`` passed, else the CPU's): (unit names, which reshard after forward, the checkpointed
+    units' levels), by the library's own decisions on that one summary."""
     options = FSDPOptions.resolve(strategy, **fsdp_kwargs)
+    cost = getattr(options.unit_policy, "cost", None) or DEFAULTS["cpu-gloo"]
     if options.auto is not None:
         auto = plan_step(summary, cost, options.auto.memory_budget)
         names = tuple(name for name, _ in auto.groups)

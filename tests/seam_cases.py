@@ -13,6 +13,11 @@ resharding and the activation checkpointing itself (it starts from ZeRO-3 and ra
 ``checkpoint_activations=`` is passed): with it, "zero3" means ``FSDP("auto")`` on the world's group, "hsdp"
 ``FSDP("auto", mesh=...)``, and neither "zero2" nor "checkpoint" are combinations a user can ask for.
 
+One case beyond the covering (:data:`ONE_PLAN`) holds the one-plan seam: the default units with the cost a CUDA
+user gets (``cost="h100-nvlink"``) and first batches of other shapes on each rank (rows and tokens,
+:data:`SHAPES` ``"plans"``), from which a rank planning alone would choose other units; it reports what each rank
+would have planned alone (``tests/agreement_cases.plan_alone``) beside the plan it compiled at each step.
+
 The reference (:class:`Reference`) is one process: the same model from the same seed, with float32 master
 weights and the same optimizer. In float32 it is the eager model on the whole global batch (the ranks' rows and
 micro-batches together) when every rank has the same lengths, and the mean over the ranks of each rank's loss
@@ -43,6 +48,7 @@ from fsdp_pass.predicates import is_finite_check
 from fsdp_pass.report.measure import CollectiveBytes
 from fsdp_pass.shard.global_view import gather_full
 from tests import hsdp_cases, models, tolerances
+from tests.agreement_cases import _planned, plan_alone
 from tests.quantized_cases import dequantized
 from tests.rank_cases import _rel, _worst
 
@@ -60,13 +66,15 @@ FACTORS = {  # the two four-valued factors first: the construction starts from t
 TOLERANCE = {"fp32": tolerances.FLOAT32, "bf16": tolerances.SAME_CASTS, "int8": tolerances.SAME_CASTS,
              "fp16": tolerances.SAME_CASTS}
 
-MODEL = "llama_gqa"
-# one decoder block of width 32 holds every op of the family (GQA, rotary tables cast from float32 buffers, RMSNorm,
-# SwiGLU) and "blocks" still makes three units; a compile is most of a case's time, and two blocks took twice it
-# (19-20 CPU s a case against 10, load ~15: the 17 cases past the 3 minutes on an idle 2-core machine)
+MODEL = "lean_lm"
+# one decoder block of width 32 (attention, RMS norms, an MLP: tests/models.py LeanLM), and "blocks" still makes four
+# units; a compile is most of a case's time, so the model has few modules and ops: the tiny GQA Llama's block (rotary
+# tables, grouped heads, norm modules) compiled in about twice the time, and two blocks in twice that
 CONFIG = {"d": 32, "n_layer": 1, "hidden": 48}
-LENGTHS = {"equal": (8, 8), "ragged": (8, 5)}  # tokens per sequence on rank 0, rank 1
-ROWS = 2  # sequences per rank and micro-batch
+# (sequences, tokens per sequence) of each micro-batch on rank 0, rank 1. "plans" (the case beyond the covering,
+# ONE_PLAN): a rank planning from its own first batch alone would choose other default units than the other rank
+# under cost="h100-nvlink" (rank 0's one row of 4 tokens: 'embed' and 'layers..lm_head'; rank 1's: one unit)
+SHAPES = {"equal": ((2, 8), (2, 8)), "ragged": ((2, 8), (2, 5)), "plans": ((1, 4), (4, 8))}
 STEPS = 2  # the second step gathers what the optimizer stepped
 # SGD with momentum: its update is linear in the gradient, so the parameters after a step hold the gradients'
 # tolerance. AdamW's first update divides each gradient element by its own magnitude, and float32 rounding in an
@@ -116,11 +124,16 @@ def all_pairs(factors: dict, allowed=allowed) -> list[dict]:
     return rows
 
 
-CASES = all_pairs(FACTORS)
+# beyond the covering, the one-plan seam: the default units with the cost a CUDA user gets, and first batches that
+# would make each rank choose other units planning alone (the test asserts they would): every rank plans from the
+# same step
+ONE_PLAN = {"precision": "fp32", "feature": "check_finite", "units": "default", "strategy": "zero3",
+            "lengths": "plans", "cost": "h100-nvlink"}
+CASES = all_pairs(FACTORS) + [ONE_PLAN]
 
 
 def case_id(case: dict) -> str:
-    return "-".join(case[n] for n in FACTORS)
+    return "-".join([case[n] for n in FACTORS] + ([case["cost"]] if "cost" in case else []))
 
 
 def transform_for(case: dict) -> FSDP:
@@ -128,6 +141,8 @@ def transform_for(case: dict) -> FSDP:
     kwargs = {}
     if case["units"] == "blocks":
         kwargs["units"] = "blocks"
+    if "cost" in case:
+        kwargs["cost"] = case["cost"]
     if case["strategy"] == "hsdp":
         kwargs["mesh"] = hsdp_cases.mesh_of(MESH)
     if PRECISIONS[case["precision"]] is not None:
@@ -145,10 +160,16 @@ def micro_batches(case: dict, step: int, world: int) -> list[list[tuple[torch.Te
         per_rank = []
         for r in range(world):
             g = torch.Generator().manual_seed(1000 * step + 10 * k + r)
-            tokens = torch.randint(0, 37, (ROWS, LENGTHS[case["lengths"]][r] + 1), generator=g)
+            rows, seq = SHAPES[case["lengths"]][r]
+            tokens = torch.randint(0, 37, (rows, seq + 1), generator=g)
             per_rank.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
         out.append(per_rank)
     return out
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.LeanLM(**CONFIG)
 
 
 # compute dtype -> (the low-precision copy, its plain-Thunder jit), made once per rank process: every case of that
@@ -162,7 +183,7 @@ class Reference:
 
     def __init__(self, case: dict, world: int):
         self.case, self.world = case, world
-        self.master = models.build(MODEL, config=CONFIG)
+        self.master = build_model()
         self.precision = PRECISIONS[case["precision"]]
         self.scale = SCALE if case["precision"] == "fp16" else 1.0
         self.shard_ranks = MESH[1] if case["strategy"] == "hsdp" else world
@@ -213,14 +234,14 @@ class Reference:
         grads = [q.grad.float() for q in self.low.parameters()]
         for q in self.low.parameters():
             q.grad = None
-        return float(loss), grads
+        return float(loss.detach()), grads
 
     def _low_precision_step(self, batches):
         """Every (micro-batch, rank) slice through the low-precision copy, each computed on the first rank whose own
         sequence length is that slice's (each rank compiles the copy for its own length only), the results
         gathered to every rank and summed in one order: per rank over its micro-batches, then over the ranks."""
         self._load_low_copy()
-        rank, micro, lengths = dist.get_rank(), len(batches), LENGTHS[self.case["lengths"]]
+        rank, micro, lengths = dist.get_rank(), len(batches), SHAPES[self.case["lengths"]]
         computes = [lengths.index(lengths[r]) for r in range(self.world)]  # slice r -> the rank that computes it
         mine = {(k, r): self._slice_grads(x, y, micro) for k, per_rank in enumerate(batches)
                 for r, (x, y) in enumerate(per_rank) if computes[r] == rank}
@@ -278,7 +299,7 @@ def seam_case(case: dict) -> dict:
     fsdp = fsdp_of(jm)
     opt = torch.optim.SGD(jm.parameters(), lr=LR, momentum=MOMENTUM)
     scaler = fsdp_pass.GradScaler(jm, init_scale=SCALE) if case["precision"] == "fp16" else None
-    out = {"loss": [], "mean_loss": [], "grad": {}, "param": [], "losses": [], "reductions": []}
+    out = {"loss": [], "mean_loss": [], "grad": {}, "param": [], "losses": [], "reductions": [], "plans": []}
     for step in range(STEPS):
         batches = micro_batches(case, step, world)
         ref_losses, ref_mean = reference.step(batches)
@@ -286,6 +307,9 @@ def seam_case(case: dict) -> dict:
         losses, reductions = _fsdp_step(jm, batches, rank, scaler, opt)
         out["losses"].append(losses)
         out["reductions"].append(reductions)
+        out["plans"].append(_planned(fsdp.compiled_step.plan))
+        if step == 0 and "cost" in case:  # what this rank's first batch alone would have planned
+            out["alone"] = plan_alone(fsdp.compiled_step.plan.summary, "zero3", cost=case["cost"])
         out["loss"] += [abs(ours - ref[rank]) / ref[rank] for ours, ref in zip(losses, ref_losses)]
         mean = torch.tensor(sum(losses) / len(losses))
         dist.all_reduce(mean)

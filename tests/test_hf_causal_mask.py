@@ -209,9 +209,8 @@ def test_a_call_that_would_build_a_kv_cache_says_what_to_do(pair):
 @pytest.mark.parametrize("pair", ["mixtral"], indirect=True)
 def test_router_logits_raise_what_to_do(pair):
     """A mixture of experts asked for its router logits (the load-balancing loss): an FSDPError says which flag to
-    turn off and that the loss then has no load-balancing term. (Its step without
-    them is not compared here: Thunder 0.2.6 differentiates the router's in-place ``top /= top.sum(-1)`` wrongly,
-    a plain ``thunder.jit`` as much; see docs/layout-and-versions.md.)"""
+    turn off and that the loss then has no load-balancing term. (The router's in-place ``top /= top.sum(-1)``, which
+    Thunder 0.2.6 differentiates wrongly, is held to eager's gradients by tests/test_in_place_ops.py.)"""
     eager, jm = pair
     with pytest.raises(FSDPError, match="(?s)router_logits.*Pass output_router_logits=False.*load-balancing"):
         jm(input_ids=IDS, labels=IDS, output_router_logits=True)

@@ -2,7 +2,9 @@
 combination trained for two steps (SGD with momentum) on 2 gloo ranks against one process (``tests/seam_cases.py``: the factors,
 the construction, the reference, and which pairs a user cannot ask for).
 
-The combinations, as the test ids print them (precision-feature-units-strategy-lengths)::
+The combinations, as the test ids print them (precision-feature-units-strategy-lengths): the pairwise covering, then
+one case beyond it (``seam_cases.ONE_PLAN``: the default units with the cost a CUDA user gets, ``cost="h100-nvlink"``,
+and first batches that would make each rank choose other units, planning alone)::
 
      0  fp32-check_finite-default-zero2-equal
      1  fp32-offload-blocks-zero3-ragged
@@ -21,13 +23,15 @@ The combinations, as the test ids print them (precision-feature-units-strategy-l
     14  fp16-no_sync-blocks-hsdp-equal
     15  fp16-checkpoint-default-zero2-equal
     16  bf16-check_finite-auto-zero3-equal
+    17  fp32-check_finite-default-zero3-plans-h100-nvlink
 
 Each case checks, on every rank: its own loss on each micro-batch and the mean loss over the ranks, every
 trainable parameter's gradient gathered whole (each parameter on its own, every step) and every parameter after
 each optimizer step, within its precision's tolerance (``seam_cases.TOLERANCE``: float32 against the eager model,
 the low precisions against a reference that makes the same casts); every rank planned the same units; the feature
 is on (the finite checks are in the trace, no_sync's micro-batches sent no reduce-scatter, float16's scaler did not
-skip).
+skip); in the one-plan case, that each rank alone would have planned other units from its first batch (else the case
+shows nothing) and that every rank compiled the plan of the step they agreed on (rank 1's, the larger) at every step.
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ def test_the_cases_cover_every_pair_a_user_can_ask_for():
                              for x, y in itertools.product([(a, v) for v in FACTORS[a]], [(b, v) for v in FACTORS[b]])):
         met = any(c[a] == va and c[b] == vb for c in CASES)
         assert met == allowed({a: va, b: vb}), (a, va, b, vb)
-    assert all_pairs(FACTORS) == CASES
+    covering, beyond = CASES[:-1], CASES[-1]
+    assert all_pairs(FACTORS) == covering and beyond == seam_cases.ONE_PLAN
     assert [case_id(c) for c in CASES] == LISTED
-    assert len(CASES) <= 17  # 16 (the two four-valued factors' pairs) is the least any covering can have
+    assert len(covering) <= 17  # 16 (the two four-valued factors' pairs) is the least any covering can have
 
 
 def test_what_cannot_be_combined_says_so():
@@ -78,3 +83,8 @@ def test_seam(ranks, case):
         # under no_sync the first micro-batch reduces nothing, the second all; otherwise every step reduces
         assert all(n[-1] > 0 and not any(n[:-1]) for n in r["reductions"]), (rank, r["reductions"])
         assert len(r["reductions"][0]) == (2 if case["feature"] == "no_sync" else 1)
+    if "cost" in case:  # the one-plan seam: planning alone, the ranks' first batches give other units
+        alone = [r["alone"] for r in results]
+        assert alone[0][0] != alone[1][0], alone
+        for rank, r in enumerate(results):
+            assert all(p == alone[1] for p in r["plans"]), (rank, r["plans"], alone)
