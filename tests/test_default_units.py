@@ -7,11 +7,13 @@ parity of the default units: tests/test_parity.py::test_parity_default_units.
 Measured, not only predicted: on 2 gloo ranks the default's step and one unit's (a candidate the step model
 predicts faster and rejects for its peak) are run and their step peaks measured (torch's profiler), which the
 machine's load does not move; their order must be the step model's, and the default's peak at most one unit per
-block's. Their step TIMES are not held to the step model's order, because no honest measurement of them can be made
-here: the step model puts one unit 2.4 ms (a third) ahead of the default on this model, while the same step on 2
-gloo ranks of this 2-core machine, shared with other jobs, measured 29-96 ms from one step to the next (load
-around 11; the ranks' threads wait for cores, not for each other). A time order needs a quiet machine of its own
-(bench.default_peak and bench.gpu measure there).
+block's (measured 1,287,048 B against 1,439,056 B for one unit; the traces predict 1,287,040 B). Their step TIMES
+are not held to the step model's order, because no honest measurement of them can be made here: the step model puts
+one unit 2.4 ms (a third) ahead of the default's 7.6 ms on this model, while these steps on 2 gloo ranks of this
+2-core machine, shared with other jobs (load about 11), took 0.32-0.50 s (the default) and 0.25-1.73 s (one unit,
+over two runs), up to 7x apart from one step to the next: the ranks wait for cores, not for each other, and the
+load decides the order. A time order needs a quiet machine of its own (bench.default_peak and bench.gpu measure
+there).
 """
 
 from dataclasses import replace
@@ -151,11 +153,11 @@ def test_the_step_models_order_of_peaks_holds_measured_on_two_gloo_ranks(ranks, 
     summary, options = plan.summary, default.fsdp.compiled_step.options
     predicted = {name: predict(summary, candidate(starts, options, summary), CPU)
                  for name, starts in (("default", _starts(plan)), ("one", (0,)))}
-    assert predicted["one"].step_s < predicted["default"].step_s  # the faster candidate, rejected for its peak
     results = ranks(2).run(explain_cases.measured_candidates)
     for r in results:
         assert r["default"]["units"] == [u.name for u in plan.units] and len(r["one"]["units"]) == 1, r
         peak = {name: min(r[name]["measured_peaks"]) for name in predicted}
+        assert peak["default"] <= blocks.explanation.memory.step.peak_bytes + tolerances.PEAK_BYTES, peak
         assert (predicted["one"].peak_bytes > predicted["default"].peak_bytes) == (peak["one"] > peak["default"])
         assert abs(peak["one"] - peak["default"]) > 10 * tolerances.PEAK_BYTES, peak
-        assert peak["default"] <= blocks.explanation.memory.step.peak_bytes + tolerances.PEAK_BYTES, peak
+    assert predicted["one"].step_s < predicted["default"].step_s  # the faster candidate, rejected for its peak
