@@ -145,6 +145,34 @@ def hf_llama_located(poisoned_rank: int = 1) -> dict:
     return out
 
 
+def sum_overflows_the_reduce(headroom: float = 0.6) -> dict:
+    """The MLP under ZeRO-3 with check_finite=True, its gradients reduced in bfloat16
+    (``MixedPrecision(reduce_dtype=torch.bfloat16)``, no cast otherwise), every rank on rank 0's batch, the loss
+    scaled so that a rank's largest gradient element is ``headroom`` times bfloat16's largest finite value: every
+    rank's gradient is finite as its reduce-scatter reads it, and where an element exceeds half that value, the
+    two ranks' sum is not. Returns what the step raised and, computed here from a float32 backward of the same
+    model and batch (no FSDP), where the first such element lies: the first parameter holding one, the units in the
+    order the backward reduces them (the forward's, reversed), each unit's parameters in its order, and the lowest rank whose rows of it (dim 0, ``ceil(rows / ranks)``
+    each) hold one."""
+    world = dist.get_world_size()
+    jm, _, _ = _mlp_and_batch("cpu", check_finite=True, mixed_precision=MixedPrecision(reduce_dtype=torch.bfloat16))
+    x, y = (t[:2] for t in models.batch("mlp", 2 * world, 0))  # rank 0's slice, on every rank
+    eager = models.build("mlp")
+    eager.load_state_dict(fsdp_pass.full_state_dict(jm))
+    F.mse_loss(eager(x), y).backward()
+    largest = torch.finfo(torch.bfloat16).max
+    scale = headroom * largest / max(float(p.grad.abs().max()) for p in eager.parameters())
+    grads = {n: (p.grad * scale).to(torch.bfloat16).float() for n, p in eager.named_parameters()}
+    found = _outcome(lambda: (F.mse_loss(jm(x), y) * scale).backward())  # the first call compiles
+    order = [n for u in reversed(fsdp_pass.fsdp_of(jm).unit_plan.units) for n in u.params]  # the backward's
+    first = next(n for n in order if bool((2 * grads[n]).abs().gt(largest).any()))
+    rows = grads[first].shape[0]
+    overflowing_rows = (2 * grads[first]).abs().gt(largest).reshape(rows, -1).any(dim=1).nonzero().flatten()
+    rank = int(overflowing_rows.min()) // -(-rows // world)
+    largest_rank_grad = max(float(g.abs().max()) for g in grads.values())
+    return {"raised": found, "expected": (first, rank), "largest_rank_grad": largest_rank_grad, "largest": largest}
+
+
 def scaler_overflow(poisoned_rank: int = 1) -> dict:
     """float16 with ``fsdp_pass.GradScaler(init_scale=2**24)`` and check_finite=True: the first steps' scaled
     gradients overflow float16, which the scaler skips and backs off from (no check raises); then a NaN in

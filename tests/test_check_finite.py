@@ -9,7 +9,8 @@ still has a flag per parameter and an output check per block; an offloaded unit'
 on the stream that copies it. The fused lowering's labels: tests/test_fused_lowering.py. Tier 2 (2 gloo ranks): a
 NaN or an inf planted on rank 1 only (an input, a parameter shard, a loss, a residual add's overflow, a forward with
 no backward), and both ranks raise the same NonFiniteError naming the parameter (or the output), the check and rank
-1; the 2-layer HF Llama as one unit; float16 with a GradScaler, whose overflow the checks leave to it.
+1; two finite gradients whose sum overflows a bfloat16 reduce-scatter, which only the check after it sees; the 2-layer
+HF Llama as one unit; float16 with a GradScaler, whose overflow the checks leave to it.
 """
 
 from __future__ import annotations
@@ -280,6 +281,25 @@ def test_a_grad_scaler_skips_the_overflow_and_the_forward_checks_still_raise(ran
         assert r["first"] == "ok" and r["first_stepped"] == [False] and r["scale_after_first"] == 2.0**23, r
         p = r["parameter"]
         assert (p["parameter"], p["rank"], p["phase"]) == ("fc2.bias", 1, "forward"), p
+
+
+def test_a_sum_that_overflows_the_reduce_dtype_is_found_after_the_reduce_scatter(ranks):
+    """Every rank's gradient finite (0.6x bfloat16's largest value at most), their sum in a bfloat16 reduce-scatter
+    not: the check after the reduce-scatter is the first to fire, on every rank, naming the parameter whose
+    gradient shard overflowed and the lowest rank holding it, and says what to do (reduce in float32)."""
+    results = ranks(2).run(finite_cases.sum_overflows_the_reduce)
+    for r in results:
+        assert r["largest_rank_grad"] <= 0.61 * r["largest"], r  # every rank's gradient finite, with room
+        found = r["raised"]
+        assert isinstance(found, dict), found
+        assert (found["what"], found["phase"]) == (GRADIENT_SHARD, "backward"), found
+        assert (found["parameter"], found["rank"]) == r["expected"], (found, r["expected"])
+        parameter, rank = r["expected"]
+        assert (f"first (in execution order) in parameter {parameter!r} (module {parameter.rpartition('.')[0]!r}, "
+                f"unit {parameter.split('.')[0]!r}): its gradient shard, after the reduce-scatter, in the backward, "
+                f"on rank {rank}.") in found["message"], found["message"]
+        assert "the sum overflows the reduce dtype" in found["message"], found["message"]
+    assert results[0]["raised"] == results[1]["raised"]
 
 
 def test_check_finite_takes_a_bool():

@@ -3,6 +3,17 @@
 One dry run with the default units (test_explain's model at 2 ranks) and the shared one with ``units="blocks"``
 (test_explain's); everything else prices candidates on the dry run's step summary, without compiling. The gloo
 parity of the default units: tests/test_parity.py::test_parity_default_units.
+
+Measured, not only predicted: on 2 gloo ranks the default's step and one unit's (a candidate the step model
+predicts faster and rejects for its peak) are run and their step peaks measured (torch's profiler), which the
+machine's load does not move; their order must be the step model's, and the default's peak at most one unit per
+block's (measured 1,287,048 B against 1,439,056 B for one unit; the traces predict 1,287,040 B). Their step TIMES
+are not held to the step model's order, because no honest measurement of them can be made here: the step model puts
+one unit 2.4 ms (a third) ahead of the default's 7.6 ms on this model, while these steps on 2 gloo ranks of this
+2-core machine, shared with other jobs (load about 11), took 0.32-0.50 s (the default) and 0.25-1.73 s (one unit,
+over two runs), up to 7x apart from one step to the next: the ranks wait for cores, not for each other, and the
+load decides the order. A time order needs a quiet machine of its own (bench.default_peak and bench.gpu measure
+there).
 """
 
 from dataclasses import replace
@@ -16,6 +27,7 @@ from fsdp_pass.cost.step_model import predict
 from fsdp_pass.plan.unit_policies import Blocks
 from fsdp_pass.search.unit_search import block_starts
 from fsdp_pass.text import human_bytes
+from tests import explain_cases, tolerances
 from tests.dry_runs import model_dry_run
 
 CPU = DEFAULTS["cpu-gloo"]
@@ -124,3 +136,28 @@ def test_cost_is_the_users_and_only_with_units_left_out():
     assert FSDP("zero3", cost="h100-nvlink").options.unit_policy.cost == DEFAULTS["h100-nvlink"]
     with pytest.raises(FSDPError, match="read by the auto planner only"):
         FSDP("zero3", units="blocks", cost="h100-nvlink")
+
+
+def _starts(plan) -> tuple[int, ...]:
+    """The first piece of the step summary in each of ``plan``'s units: the units as a candidate names them."""
+    pieces = plan.summary.pieces
+    return tuple(sorted({min(i for i, p in enumerate(pieces) if set(p.params) & set(u.params)) for u in plan.units}))
+
+
+def test_the_step_models_order_of_peaks_holds_measured_on_two_gloo_ranks(ranks, default, blocks):
+    """The default's units and one unit holding the whole model, each compiled and stepped on 2 gloo ranks: the
+    step model's order of their peaks is the measured order (one unit above the default, by far more than the
+    profiler's error), and the default's measured step peak is at most one unit per block's (its traced peak, which
+    test_explain holds within 1 KiB of its measured one): memory first, measured."""
+    plan = default.fsdp.compiled_step.plan
+    summary, options = plan.summary, default.fsdp.compiled_step.options
+    predicted = {name: predict(summary, candidate(starts, options, summary), CPU)
+                 for name, starts in (("default", _starts(plan)), ("one", (0,)))}
+    results = ranks(2).run(explain_cases.measured_candidates)
+    for r in results:
+        assert r["default"]["units"] == [u.name for u in plan.units] and len(r["one"]["units"]) == 1, r
+        peak = {name: min(r[name]["measured_peaks"]) for name in predicted}
+        assert peak["default"] <= blocks.explanation.memory.step.peak_bytes + tolerances.PEAK_BYTES, peak
+        assert (predicted["one"].peak_bytes > predicted["default"].peak_bytes) == (peak["one"] > peak["default"])
+        assert abs(peak["one"] - peak["default"]) > 10 * tolerances.PEAK_BYTES, peak
+    assert predicted["one"].step_s < predicted["default"].step_s  # the faster candidate, rejected for its peak
