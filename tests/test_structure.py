@@ -149,11 +149,7 @@ LATER_IMPORTS_LEFT = {
     ("fsdp_pass.shard.prologue", "fsdp_pass.ops.grad_accumulation"),
     ("fsdp_pass.shard.prologue", "fsdp_pass.passes.proxies"),
 }
-LONG_FUNCTIONS_LEFT = {
-    "fsdp_pass.report.repeated_layers._assemble", "fsdp_pass.passes.schedule_collectives.schedule_collectives",
-    "fsdp_pass.search.auto_plan.plan_step", "fsdp_pass.cost.step_summary.summarize", "fsdp_pass.report.dry_run.dry_run",
-    "fsdp_pass.cost.step_model.peak_of", "fsdp_pass.cost.op_tally.ops_by_piece",
-}
+LONG_FUNCTIONS_LEFT: set[str] = set()
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -89,136 +89,198 @@ class Tally:
     tail_acts: int = 0
 
 
+@dataclass
+class _Walk:
+    """What the walk over the forward's ops has seen so far, and what it was given."""
+
+    piece_of_arg: dict[str, int]
+    fused_attention: object
+    outputs: frozenset[str]
+    fuses: bool
+    made_in: dict[str, int] = field(default_factory=dict)  # a result's name -> the piece whose op made it
+    by_matmul: set[str] = field(default_factory=set)
+    base: dict[str, str] = field(default_factory=dict)  # a view's name -> the result it views
+    proxy: dict[str, TensorProxy] = field(default_factory=dict)
+    kept: set[str] = field(default_factory=set)
+    kept_in: dict[str, set[int]] = field(default_factory=dict)  # a kept result -> the pieces whose ops keep it
+    freed_by: dict[str, int] = field(default_factory=dict)  # a kept result -> the piece whose backward frees it
+    last_read: dict[str, int] = field(default_factory=dict)
+    # the results that depend on a parameter (the trace marks parameters only)
+    differentiated: set[str] = field(default_factory=set)
+    # under fusion: an elementwise op's result -> what it read; the same for the copies (fused_saves.is_copy)
+    elementwise_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    copy_inputs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # a result that an op after its piece's last parameter read makes or reads (the residual add after a block's
+    # last matmul, the next norm's reduction): outside the region a checkpointed unit ending there recomputes
+    # (passes.checkpoint_units), so kept by it as by an op of a later piece: the piece after the reader's
+    trailing: dict[str, int] = field(default_factory=dict)
+
+    def needs_grad(self, p) -> bool:
+        return bool(p.requires_grad) or p.name in self.differentiated
+
+    def root(self, name: str) -> str:
+        """The result ``name`` views (``name`` itself where it is no view)."""
+        return self.base.get(name, name)
+
+
 def ops_by_piece(computation, piece_of_arg: dict[str, int], n: int, fused_attention=lambda bsym: False,
                  outputs: frozenset[str] = frozenset(), fuses: bool = False, region_of=None) -> Tally:
     """FLOPs, op counts, elementwise bytes moved, largest results (``outputs``, the names the forward returns,
     left out), kept bytes (all, and those matmuls make; ``fuses``: as a fusion executor keeps them,
     :mod:`~fsdp_pass.cost.fused_saves`) and the bytes read after the piece, of the forward's ops, each charged to
     the piece whose parameter the trace read last before it."""
-    t = Tally(*([0] * n for _ in range(12)))
-    t.flops, t.matmul_flops = [0.0] * n, [0.0] * n
-    t.escaping, t.matmul_escaping = [{} for _ in range(n)], [{} for _ in range(n)]
-    t.freed_in, t.passed_on = [{} for _ in range(n)], [{} for _ in range(n)]
+    t = _empty_tally(n)
     if n == 0:  # a model without parameters: no piece to charge
         return t
-    made_in: dict[str, int] = {}  # a result's name -> the piece whose op made it
-    by_matmul: set[str] = set()
-    base: dict[str, str] = {}  # a view's name -> the result it views
-    proxy: dict[str, TensorProxy] = {}
-    kept: set[str] = set()
-    kept_in: dict[str, set[int]] = {}  # a kept result -> the pieces whose ops keep it
-    freed_by: dict[str, int] = {}  # a kept result -> the piece whose backward frees it (n: the tail's)
-    last_read: dict[str, int] = {}
-    differentiated: set[str] = set()  # the results that depend on a parameter (the trace marks parameters only)
-    elementwise_inputs: dict[str, tuple[str, ...]] = {}  # under fusion: an elementwise op's result -> what it read
-    copy_inputs: dict[str, tuple[str, ...]] = {}  # the same for the copies (fused_saves.is_copy: selective only)
-
-    def needs_grad(p) -> bool:
-        return bool(p.requires_grad) or p.name in differentiated
-
+    w = _Walk(piece_of_arg, fused_attention, outputs, fuses)
     ops = [b for b in computation.bound_symbols if not (is_return(b) or is_bookkeeping(b))]
-    last_param_read: dict[int, int] = {}  # a piece -> the last op that reads one of its parameters
-    for k, bsym in enumerate(ops):
-        for p in bsym.flat_proxy_args:
-            if p.name in piece_of_arg:
-                last_param_read[piece_of_arg[p.name]] = k
+    last_param_read = _last_param_reads(ops, piece_of_arg)
     tail_from = max(last_param_read.values(), default=len(ops)) + 1  # the loss inside the model, if any
-    # a result that an op after its piece's last parameter read makes or reads (the residual add after a block's
-    # last matmul, the next norm's reduction): outside the region a checkpointed unit ending there recomputes
-    # (passes.checkpoint_units), so kept by it as by an op of a later piece: the piece after the reader's
-    trailing: dict[str, int] = {}
     current = 0
     for k, bsym in enumerate(ops):
         read = [piece_of_arg[p.name] for p in bsym.flat_proxy_args if p.name in piece_of_arg]
         if read:
             current = max(read)
-        if k > last_param_read.get(current, k):
-            for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
-                if isinstance(p, TensorProxy):
-                    trailing[base.get(p.name, p.name)] = current + 1
-        args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
-        for p in args:
-            name = base.get(p.name, p.name)
-            if name in made_in:
-                last_read[name] = max(last_read.get(name, 0), current)
-        flops = estimated_flops(bsym, skips_masked=not is_attention(bsym) or fused_attention(bsym))
-        matmul = is_matmul_like(bsym)
-        t.flops[current] += flops
-        t.ops[current] += 1
-        if matmul:
-            t.matmul_flops[current] += flops
-            t.matmul_ops[current] += 1
-        outs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
-        if any(needs_grad(p) for p in args):
-            differentiated.update(o.name for o in outs if is_float_tensor(o))
-        if is_view_like(bsym):
-            for o in outs:
-                base[o.name] = base.get(args[0].name, args[0].name) if args else o.name
-            continue
+        _tally_op(t, w, bsym, current, k > last_param_read.get(current, k), k >= tail_from and not fuses)
+    kept, selective = _kept_at_each_level(t, w, region_of)
+    _charge_kept(t, w, kept, selective, n)
+    _charge_read_later(t, w, kept, selective)
+    return t
+
+
+def _empty_tally(n: int) -> Tally:
+    t = Tally(*([0] * n for _ in range(12)))
+    t.flops, t.matmul_flops = [0.0] * n, [0.0] * n
+    t.escaping, t.matmul_escaping = [{} for _ in range(n)], [{} for _ in range(n)]
+    t.freed_in, t.passed_on = [{} for _ in range(n)], [{} for _ in range(n)]
+    return t
+
+
+def _last_param_reads(ops, piece_of_arg: dict[str, int]) -> dict[int, int]:
+    """A piece -> the last op that reads one of its parameters."""
+    last_param_read: dict[int, int] = {}
+    for k, bsym in enumerate(ops):
+        for p in bsym.flat_proxy_args:
+            if p.name in piece_of_arg:
+                last_param_read[piece_of_arg[p.name]] = k
+    return last_param_read
+
+
+def _tally_op(t: Tally, w: _Walk, bsym, current: int, after_last_read: bool, in_tail: bool) -> None:
+    """Charges ``bsym`` to piece ``current``; ``after_last_read``: it runs after the piece's last parameter read;
+    ``in_tail``: it runs after the forward's last parameter read (a loss the model computes; unfused only)."""
+    if after_last_read:
+        for p in (*bsym.flat_proxy_args, *bsym.flat_proxy_outs):
+            if isinstance(p, TensorProxy):
+                w.trailing[w.root(p.name)] = current + 1
+    args = [p for p in bsym.flat_proxy_args if isinstance(p, TensorProxy)]
+    for p in args:
+        name = w.root(p.name)
+        if name in w.made_in:
+            w.last_read[name] = max(w.last_read.get(name, 0), current)
+    matmul = _count_compute(t, w, bsym, current)
+    outs = [o for o in bsym.flat_proxy_outs if isinstance(o, TensorProxy)]
+    if any(w.needs_grad(p) for p in args):
+        w.differentiated.update(o.name for o in outs if is_float_tensor(o))
+    if is_view_like(bsym):
         for o in outs:
-            made_in[o.name], proxy[o.name] = current, o
-            if matmul:
-                by_matmul.add(o.name)
-        if is_attention(bsym) and not fused_attention(bsym):
-            t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
-        saved = _kept_by(bsym, fused_attention, needs_grad)
-        fused_away = fuses and is_elementwise(bsym)
-        # fused, its own intermediates are recomputed (item 4): a dtype conversion of an argument from the argument
-        held = (*saved.inputs, *(saved.converted if fused_away else ()))
-        keeps = [base.get(args[i].name, args[i].name) for i in held] + [outs[j].name for j in saved.outputs]
-        tail = k >= tail_from and not fuses
-        # whose backward reads it: an op after its piece's last parameter read runs its backward before the piece's
-        # (the schedule gathers a unit where its backward first reads a parameter), with the later piece's
-        keeper = current + 1 if k > last_param_read.get(current, k) else current  # the tail's: n
-        for name in keeps:
-            kept.add(name)
-            kept_in.setdefault(name, set()).add(current)
-            freed_by[name] = min(freed_by.get(name, keeper), keeper)
-        for i in (*saved.inputs, *saved.converted):  # a parameter, or its conversion: read by the backward
-            name = base.get(args[i].name, args[i].name)
-            if name in piece_of_arg:
-                t.reads_params[piece_of_arg[name]] = 1
-        if fused_away or (fuses and is_copy(bsym)):
-            for o in outs:
-                read = tuple(base.get(p.name, p.name) for p in args)
-                (elementwise_inputs if fused_away else copy_inputs)[o.name] = read
-        t.acts[current] += 0 if fused_away else saved.inside_bytes
+            w.base[o.name] = w.root(args[0].name) if args else o.name
+        return
+    for o in outs:
+        w.made_in[o.name], w.proxy[o.name] = current, o
         if matmul:
-            t.matmul_acts[current] += saved.inside_bytes
-        if not matmul:
-            t.moved[current] += tensor_bytes(bsym.flat_proxy_args) + tensor_bytes(bsym.flat_proxy_outs)
-        kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in outputs]
-        largest = max([0, *(tensor_bytes((o,)) for o in kept_inside)])
-        if tail:  # the loss the forward computes: its own point in the backward, before the last unit's
-            t.tail_largest = max(t.tail_largest, largest)
-        else:
-            t.largest[current] = max(t.largest[current], largest)
-    selective = kept & by_matmul  # what the selective level keeps of it: the matmuls' results
-    if fuses:
-        nbytes = lambda name: tensor_bytes((proxy[name],))  # noqa: E731
+            w.by_matmul.add(o.name)
+    if is_attention(bsym) and not w.fused_attention(bsym):
+        t.scores[current] = max(t.scores[current], attention_scores_bytes(bsym, masked=False))
+    saved, fused_away = _note_saves(t, w, bsym, args, outs, current, after_last_read)
+    t.acts[current] += 0 if fused_away else saved.inside_bytes
+    if matmul:
+        t.matmul_acts[current] += saved.inside_bytes
+    if not matmul:
+        t.moved[current] += tensor_bytes(bsym.flat_proxy_args) + tensor_bytes(bsym.flat_proxy_outs)
+    kept_inside = [o for o in outs if is_float_tensor(o) and o.name not in w.outputs]
+    largest = max([0, *(tensor_bytes((o,)) for o in kept_inside)])
+    if in_tail:  # the loss the forward computes: its own point in the backward, before the last unit's
+        t.tail_largest = max(t.tail_largest, largest)
+    else:
+        t.largest[current] = max(t.largest[current], largest)
+
+
+def _count_compute(t: Tally, w: _Walk, bsym, current: int) -> bool:
+    """Adds ``bsym``'s FLOPs and op count to piece ``current``'s (and to its matmuls' part); whether it is one."""
+    flops = estimated_flops(bsym, skips_masked=not is_attention(bsym) or w.fused_attention(bsym))
+    matmul = is_matmul_like(bsym)
+    t.flops[current] += flops
+    t.ops[current] += 1
+    if matmul:
+        t.matmul_flops[current] += flops
+        t.matmul_ops[current] += 1
+    return matmul
+
+
+def _note_saves(t: Tally, w: _Walk, bsym, args, outs, current: int, after_last_read: bool) -> tuple[Saved, bool]:
+    """Notes what ``bsym`` keeps for the backward, and whose backward frees it; returns what it keeps and whether a
+    fusion executor fuses it away."""
+    saved = _kept_by(bsym, w.fused_attention, w.needs_grad)
+    fused_away = w.fuses and is_elementwise(bsym)
+    # fused, its own intermediates are recomputed (item 4): a dtype conversion of an argument from the argument
+    held = (*saved.inputs, *(saved.converted if fused_away else ()))
+    keeps = [w.root(args[i].name) for i in held] + [outs[j].name for j in saved.outputs]
+    # whose backward reads it: an op after its piece's last parameter read runs its backward before the piece's
+    # (the schedule gathers a unit where its backward first reads a parameter), with the later piece's
+    keeper = current + 1 if after_last_read else current  # the tail's: n
+    for name in keeps:
+        w.kept.add(name)
+        w.kept_in.setdefault(name, set()).add(current)
+        w.freed_by[name] = min(w.freed_by.get(name, keeper), keeper)
+    for i in (*saved.inputs, *saved.converted):  # a parameter, or its conversion: read by the backward
+        name = w.root(args[i].name)
+        if name in w.piece_of_arg:
+            t.reads_params[w.piece_of_arg[name]] = 1
+    if fused_away or (w.fuses and is_copy(bsym)):
+        for o in outs:
+            read = tuple(w.root(p.name) for p in args)
+            (w.elementwise_inputs if fused_away else w.copy_inputs)[o.name] = read
+    return saved, fused_away
+
+
+def _kept_at_each_level(t: Tally, w: _Walk, region_of) -> tuple[set[str], set[str]]:
+    """What the backward keeps: without checkpointing, and at the selective level (the matmuls' results)."""
+    kept, selective = w.kept, w.kept & w.by_matmul
+    if w.fuses:
+        nbytes = lambda name: tensor_bytes((w.proxy[name],))  # noqa: E731
         # the fused kernels recompute the elementwise ops at both levels; the selective level the copies too, so
         # it keeps what the chains through them start from, made by matmuls or not (fused_saves)
-        selective = kept_after_fusion(kept, {**elementwise_inputs, **copy_inputs}, made_in, nbytes, region_of, kept_in)
-        kept = kept_after_fusion(kept, elementwise_inputs, made_in, nbytes, region_of, kept_in)
+        selective = kept_after_fusion(kept, {**w.elementwise_inputs, **w.copy_inputs}, w.made_in, nbytes, region_of,
+                                      w.kept_in)
+        kept = kept_after_fusion(kept, w.elementwise_inputs, w.made_in, nbytes, region_of, w.kept_in)
         t.matmul_acts = list(t.acts)  # every op's intermediates that are kept (a fused elementwise op's: none)
+    return kept, selective
+
+
+def _charge_kept(t: Tally, w: _Walk, kept: set[str], selective: set[str], n: int) -> None:
+    """Charges each kept result to the piece that made it, and notes the later backward that frees it."""
     for name in kept:
-        if name in made_in:
-            t.acts[made_in[name]] += tensor_bytes((proxy[name],))
-            first = freed_by.get(name, made_in[name])
-            if not fuses and first == n:
-                t.tail_acts += tensor_bytes((proxy[name],))
-            elif not fuses and first > made_in[name]:
-                freed = t.freed_in[made_in[name]]
-                freed[first] = freed.get(first, 0) + tensor_bytes((proxy[name],))
+        if name in w.made_in:
+            t.acts[w.made_in[name]] += tensor_bytes((w.proxy[name],))
+            first = w.freed_by.get(name, w.made_in[name])
+            if not w.fuses and first == n:
+                t.tail_acts += tensor_bytes((w.proxy[name],))
+            elif not w.fuses and first > w.made_in[name]:
+                freed = t.freed_in[w.made_in[name]]
+                freed[first] = freed.get(first, 0) + tensor_bytes((w.proxy[name],))
     for name in selective:
-        if name in made_in:
-            t.matmul_acts[made_in[name]] += tensor_bytes((proxy[name],))
-    for name, piece in made_in.items():
-        read_by = last_read.get(name, piece)
-        if read_by > piece and name in differentiated and is_float_tensor(proxy[name]):
-            t.passed_on[piece][read_by] = t.passed_on[piece].get(read_by, 0) + tensor_bytes((proxy[name],))
-        reader = max(last_read.get(name, piece), trailing.get(name, piece) if name in kept else piece)
-        if reader > piece and is_float_tensor(proxy[name]):
+        if name in w.made_in:
+            t.matmul_acts[w.made_in[name]] += tensor_bytes((w.proxy[name],))
+
+
+def _charge_read_later(t: Tally, w: _Walk, kept: set[str], selective: set[str]) -> None:
+    """The bytes each piece makes that a later piece reads: passed on (differentiated ones) and escaping."""
+    for name, piece in w.made_in.items():
+        read_by = w.last_read.get(name, piece)
+        if read_by > piece and name in w.differentiated and is_float_tensor(w.proxy[name]):
+            t.passed_on[piece][read_by] = t.passed_on[piece].get(read_by, 0) + tensor_bytes((w.proxy[name],))
+        reader = max(w.last_read.get(name, piece), w.trailing.get(name, piece) if name in kept else piece)
+        if reader > piece and is_float_tensor(w.proxy[name]):
             for escaping in (t.escaping, t.matmul_escaping) if name in selective else (t.escaping,):
-                escaping[piece][reader] = escaping[piece].get(reader, 0) + tensor_bytes((proxy[name],))
-    return t
+                escaping[piece][reader] = escaping[piece].get(reader, 0) + tensor_bytes((w.proxy[name],))

@@ -245,50 +245,79 @@ def _issued_before(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
     return [sum(units[seq[s]].in_flight for s in range(t + 1, len(seq)) if anchors[s] < t) for t in range(len(seq))]
 
 
+class _Peak:
+    """The highest live bytes seen so far, and where."""
+
+    def __init__(self, live: int, at: str):
+        self.bytes, self.where = live, at
+
+    def point(self, live: int, at: str) -> None:
+        if live > self.bytes:
+            self.bytes, self.where = live, at
+
+
 def peak_of(
     units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0,
     loss: int = 0,
 ) -> tuple[int, str]:
-    k = len(units)
     forward, f_anchor, backward, b_anchor = _gather_orders(candidate, units)
-    f_unused, b_unused = _issued_unused(forward, f_anchor, units), _issued_unused(backward, b_anchor, units)
-    f_before, b_before = _issued_before(forward, f_anchor, units), _issued_before(backward, b_anchor, units)
-    best, where = persistent, "between steps"
-
-    def point(live: int, at: str) -> None:
-        nonlocal best, where
-        if live > best:
-            best, where = live, at
-
-    acts = 0
-    kept = 0  # gathered units before this one that stay gathered for the backward
-    for i in range(k):
-        # an 8-bit gather's dequantize: the received codes and the dequantized buffer
-        if units[i].codes:
-            point(persistent + kept + units[i].codes + units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
-        # its unpack: the gathered buffer and the parameters copied out of it, before its ops run
-        if units[i].copies_out:
-            point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
-        acts += units[i].activations
-        point(persistent + kept + units[i].gathered + f_unused[i + 1] + acts, f"forward of {names[i]}")
-        if not candidate.reshard[i] and units[i].reads_params:  # else freed after its forward's last read
-            kept += units[i].gathered
+    peak = _Peak(persistent, "between steps")
+    acts, kept = _forward_peaks(peak, units, candidate, names, persistent, _issued_unused(forward, f_anchor, units),
+                                _issued_before(forward, f_anchor, units))
     # the caller's loss, before the backward trace: its bytes beside the outputs' gradients, the kept units (the last
     # one too where kept) and every activation, no backward gather issued yet
     if loss:
-        point(persistent + kept + acts + output_grad + loss, "the caller's loss, before the backward")
+        peak.point(persistent + kept + acts + output_grad + loss, "the caller's loss, before the backward")
     # a loss the forward computed: its backward comes first, on the same bytes, with its own working set in place of
     # the caller's; the schedule issues no backward gather above it (schedule_collectives, step 3)
     last = units[-1] if units else None
     if last is not None and last.tail_working:
-        point(persistent + kept + acts + output_grad + last.tail_working, f"the loss's backward, before {names[-1]}'s")
+        peak.point(persistent + kept + acts + output_grad + last.tail_working,
+                   f"the loss's backward, before {names[-1]}'s")
         acts -= last.tail_activations
-    latest_wait = -1  # the backward gathers waited for so far
-    reduced = 0  # the gradient shards the backward has made so far
-    freed_at: dict[int, int] = {}  # a unit -> the earlier units' activations its backward frees
+    reduced = _backward_peaks(peak, units, candidate, names, persistent, output_grad, acts, kept,
+                              _issued_unused(backward, b_anchor, units), _issued_before(backward, b_anchor, units))
+    peak.point(persistent + reduced, "optimizer step")
+    return peak.bytes, peak.where
+
+
+def _forward_peaks(peak: _Peak, units, candidate, names, persistent: int, f_unused, f_before) -> tuple[int, int]:
+    """Records each unit's forward points in ``peak``; returns the activations kept and the bytes of the units that
+    stay gathered for the backward, at the forward's end."""
+    acts = 0
+    kept = 0  # gathered units before this one that stay gathered for the backward
+    for i in range(len(units)):
+        # an 8-bit gather's dequantize: the received codes and the dequantized buffer
+        if units[i].codes:
+            peak.point(persistent + kept + units[i].codes + units[i].gathered + f_before[i] + acts,
+                       f"forward of {names[i]}")
+        # its unpack: the gathered buffer and the parameters copied out of it, before its ops run
+        if units[i].copies_out:
+            peak.point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
+        acts += units[i].activations
+        peak.point(persistent + kept + units[i].gathered + f_unused[i + 1] + acts, f"forward of {names[i]}")
+        if not candidate.reshard[i] and units[i].reads_params:  # else freed after its forward's last read
+            kept += units[i].gathered
+    return acts, kept
+
+
+def _freed_at(units) -> dict[int, int]:
+    """A unit -> the earlier units' activations its backward frees."""
+    freed_at: dict[int, int] = {}
     for u in units:
         for v, b in u.freed_later:
             freed_at[v] = freed_at.get(v, 0) + b
+    return freed_at
+
+
+def _backward_peaks(peak: _Peak, units, candidate, names, persistent: int, output_grad: int, acts: int, kept: int,
+                    b_unused, b_before) -> int:
+    """Records each unit's backward points in ``peak``, last unit first; returns the gradient shards kept on the
+    device at the backward's end."""
+    k = len(units)
+    latest_wait = -1  # the backward gathers waited for so far
+    reduced = 0  # the gradient shards the backward has made so far
+    freed_at = _freed_at(units)
     for j in range(k - 1, -1, -1):
         gathered = units[j].gathered  # kept since its forward, or gathered again
         again = False
@@ -305,9 +334,9 @@ def peak_of(
         received = output_grad if j == k - 1 else units[j].received  # the gradient its backward starts from
         if again and units[j].codes:  # its dequantize: the received codes and the dequantized buffer
             codes = units[j].codes
-            point(common + b_before[latest_wait] + codes + gathered + acts + received, f"backward of {names[j]}")
+            peak.point(common + b_before[latest_wait] + codes + gathered + acts + received, f"backward of {names[j]}")
         if again and units[j].copies_out:  # its unpack, before its ops: the gathered buffer and the copies out of it
-            point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
+            peak.point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
         # its backward starts with its parameters gathered, its activations kept (less those a later unit's backward
         # read last and freed), its working set: the gradient it receives and the one an op makes (the last unit's:
         # the forward's outputs' gradients, which its ops read and free, beside it), and ends with its gradients
@@ -319,10 +348,9 @@ def peak_of(
                  + freed_at.get(j, 0))
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
         handed_on = units[j - 1].received if j else 0
-        point(common + ahead + max(start, acts + made + units[j].grads + handed_on), f"backward of {names[j]}")
+        peak.point(common + ahead + max(start, acts + made + units[j].grads + handed_on), f"backward of {names[j]}")
         reduced += 0 if candidate.offload else units[j].shard
-    point(persistent + reduced, "optimizer step")
-    return best, where
+    return reduced
 
 
 def persistent_bytes(summary: StepSummary, offload: bool) -> int:

@@ -217,18 +217,36 @@ def summarize(
     t = ops_by_piece(computation, piece_of_arg, len(found), fused_attention, frozenset(o.name for o in outputs),
                       fuses, blocks.__getitem__)
 
+    reads_params = _reads_params_with_tied_owners(t.reads_params, found, index_of_param, sharding)
+    pieces = _pieces(found, t, reads_params, sharding, precision)
+    cast = [p for _, _, ps in found for p in ps if precision.param_dtype not in (None, sharding.param(p).dtype)]
+    views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
+    return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
+                       caller_loss_bytes(computation, param_of_arg, precision), views,
+                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts,
+                       quantized=precision.gather_dtype is not None,
+                       after_last_read=bytes_after_last_read(computation, param_of_arg))
+
+
+def _reads_params_with_tied_owners(reads, found, index_of_param, sharding: ShardingPlan) -> list:
+    """Whether each piece reads its parameters, where a tied parameter's reads are its owner's (a tied head's
+    backward reads the embedding's weight, which the embedding's unit gathers): a piece reading its tied parameters
+    marks their owners' pieces too."""
+    reads_params = list(reads)
+    for i, (_, _, params) in enumerate(found):
+        for p in params if reads[i] else ():
+            if sharding.param(p).shard_of in index_of_param:
+                reads_params[index_of_param[sharding.param(p).shard_of]] = 1
+    return reads_params
+
+
+def _pieces(found, t, reads_params, sharding: ShardingPlan, precision: MixedPrecision) -> tuple[Piece, ...]:
+    """One ``Piece`` per ``(name, block, params)`` of ``found``, from the op tally ``t``."""
+
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).nbytes(dtype) for p in params)
 
-    # a tied parameter's reads are its owner's (a tied head's backward reads the embedding's weight, which the
-    # embedding's unit gathers): a piece reading its tied parameters marks their owners' pieces too
-    reads_params = list(t.reads_params)
-    for i, (_, _, params) in enumerate(found):
-        for p in params if t.reads_params[i] else ():
-            if sharding.param(p).shard_of in index_of_param:
-                reads_params[index_of_param[sharding.param(p).shard_of]] = 1
-
-    pieces = tuple(
+    return tuple(
         Piece(
             name,
             tuple(params),
@@ -255,13 +273,6 @@ def summarize(
         )
         for i, (name, block, params) in enumerate(found)
     )
-    cast = [p for _, _, ps in found for p in ps if precision.param_dtype not in (None, sharding.param(p).dtype)]
-    views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
-    return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
-                       caller_loss_bytes(computation, param_of_arg, precision), views,
-                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts,
-                       quantized=precision.gather_dtype is not None,
-                       after_last_read=bytes_after_last_read(computation, param_of_arg))
 
 
 def returned_outputs(computation) -> list[TensorProxy]:

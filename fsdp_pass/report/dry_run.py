@@ -101,6 +101,26 @@ def _input_on_meta(value):
     return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
 
 
+def _check_dry_run_inputs(module: torch.nn.Module, world_size, mesh, device: str) -> None:
+    """``FSDPError`` unless the world size, mesh and device make a dry run and ``module`` is on the meta device."""
+    check(
+        isinstance(world_size, int) and world_size >= 1,
+        f"world_size must be a positive int, got {world_size!r}.",
+        "Pass the number of ranks to plan for, e.g. 64.",
+    )
+    check(
+        mesh is None or (len(mesh) == 2 and mesh[0] * mesh[1] == world_size),
+        f"mesh={mesh!r} is not (replicas, shard size) of {world_size} ranks.",
+        f"Pass two numbers whose product is the world size, e.g. mesh=(8, {max(world_size // 8, 1)}).",
+    )
+    check(
+        device in DEVICES,
+        f"A dry run lowers for {' or '.join(map(repr, DEVICES))}, not {device!r}.",
+        "Pass device='cuda' (fused attention, the fusion executor) or device='cpu' (the CPU's executors).",
+    )
+    _check_on_meta(module)
+
+
 def dry_run(
     module: torch.nn.Module,
     args: tuple,
@@ -125,23 +145,8 @@ def dry_run(
     in a fraction of the time: :mod:`fsdp_pass.report.repeated_layers`); ``fsdp_kwargs`` go to
     :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
     """
-    check(
-        isinstance(world_size, int) and world_size >= 1,
-        f"world_size must be a positive int, got {world_size!r}.",
-        "Pass the number of ranks to plan for, e.g. 64.",
-    )
-    check(
-        mesh is None or (len(mesh) == 2 and mesh[0] * mesh[1] == world_size),
-        f"mesh={mesh!r} is not (replicas, shard size) of {world_size} ranks.",
-        f"Pass two numbers whose product is the world size, e.g. mesh=(8, {max(world_size // 8, 1)}).",
-    )
     device = device if device is not None else target_device(fsdp_kwargs.get("cost"))
-    check(
-        device in DEVICES,
-        f"A dry run lowers for {' or '.join(map(repr, DEVICES))}, not {device!r}.",
-        "Pass device='cuda' (fused attention, the fusion executor) or device='cpu' (the CPU's executors).",
-    )
-    _check_on_meta(module)
+    _check_dry_run_inputs(module, world_size, mesh, device)
     args = tuple(map(_input_on_meta, args))
     kwargs = {name: _input_on_meta(value) for name, value in (kwargs or {}).items()}
     chosen, lowering = dry_run_choice(device)

@@ -72,6 +72,31 @@ def smallest_peak(summary: StepSummary, cost: CostInputs, offload: bool = True, 
     return predict(summary, finest, cost)
 
 
+def _first_stage_that_fits(summary: StepSummary, cost: CostInputs, budget, offload, checkpointing: bool,
+                           prefetch_depths, reasons: list[str]):
+    """Plans without checkpointing or offload, then with checkpointing, then with offload (checkpointing before
+    offload: offload needs the user's offload_to), until a prefetch depth's plan fits; appends to ``reasons`` why
+    each stage was passed. Returns the last stage's planner, its plans by depth and those that fit (none: nothing)."""
+    choices = (False, True) if offload is None else (offload,)
+    stages = [(off, ckpt) for off in choices for ckpt in ((False, True) if checkpointing else (False,))]
+    fitting: dict = {}
+    for off, ckpt in stages:
+        planner = PerUnitDecisions(summary, cost, budget, ckpt)
+        tried = {d: units_for(planner, d, off) for d in prefetch_depths}
+        fitting = {d: t for d, t in tried.items() if fits(t[0].prediction, budget)}
+        if fitting:
+            break
+        least = min(t[0].prediction.peak_bytes for t in tried.values())
+        if not ckpt and checkpointing:
+            reasons.append(f"checkpointing considered: without it no plan fits (a peak of {human_bytes(least)} at "
+                           f"best{', offload on' if off else ''})")
+        elif not off and offload is None:
+            reasons.append(f"offload on: without it no plan fits (a peak of {human_bytes(least)} at best, "
+                           "checkpointing included), so the shards, their gradients and the optimizer state live on "
+                           "the host between uses")
+    return planner, tried, fitting
+
+
 def plan_step(
     summary: StepSummary,
     cost: CostInputs,
@@ -92,22 +117,8 @@ def plan_step(
           "Pass e.g. memory_budget='20GiB'.")
     reasons: list[str] = []
     choices = (False, True) if offload is None else (offload,)
-    stages = [(off, ckpt) for off in choices for ckpt in ((False, True) if checkpointing else (False,))]
-    fitting: dict = {}
-    for off, ckpt in stages:  # checkpointing before offload: offload needs the user's offload_to
-        planner = PerUnitDecisions(summary, cost, budget, ckpt)
-        tried = {d: units_for(planner, d, off) for d in prefetch_depths}
-        fitting = {d: t for d, t in tried.items() if fits(t[0].prediction, budget)}
-        if fitting:
-            break
-        least = min(t[0].prediction.peak_bytes for t in tried.values())
-        if not ckpt and checkpointing:
-            reasons.append(f"checkpointing considered: without it no plan fits (a peak of {human_bytes(least)} at "
-                           f"best{', offload on' if off else ''})")
-        elif not off and offload is None:
-            reasons.append(f"offload on: without it no plan fits (a peak of {human_bytes(least)} at best, "
-                           "checkpointing included), so the shards, their gradients and the optimizer state live on "
-                           "the host between uses")
+    planner, tried, fitting = _first_stage_that_fits(summary, cost, budget, offload, checkpointing, prefetch_depths,
+                                                     reasons)
     if not fitting:
         _no_planfits(summary, cost, budget, choices[-1], checkpointing)
     if any(d > 0 for d in fitting):  # prefetch 0 is a memory measure only (module docstring)
