@@ -26,7 +26,7 @@ from fsdp_pass import FSDP
 from fsdp_pass.models.zoo import Config
 from fsdp_pass.ops import finite_checks
 from fsdp_pass.text import format_table
-from fsdp_pass.shard.groups import run_on_local_ranks
+from fsdp_pass.ranks import run_on_local_ranks
 
 ROWS = {"check_finite=False": False, "check_finite=True": True}
 CLOCKED = {"checks": ("check_finite_impl", "clear_finite_flags_impl"), "verdict": ("raise_if_nonfinite_impl",)}

@@ -91,7 +91,7 @@ from fsdp_pass.cost.cost_model import DEFAULTS
 from fsdp_pass.cost.probe import probe
 from fsdp_pass.report.measure import allocated_during
 from fsdp_pass.text import format_table, human_bytes
-from fsdp_pass.shard.groups import free_port
+from fsdp_pass.ranks import free_port
 
 
 def parse_args(argv=None):

@@ -41,7 +41,7 @@ from fsdp_pass.plan.quantized_layout import quantized_layout
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.measure import allocated_during
 from fsdp_pass.text import format_table
-from fsdp_pass.shard.groups import run_on_local_ranks
+from fsdp_pass.ranks import run_on_local_ranks
 
 GATHERS = {"bf16": None, "int8": torch.int8, "float8": torch.float8_e4m3fn}
 # explain()'s test model (tests/explain_cases.py)

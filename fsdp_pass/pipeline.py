@@ -70,7 +70,7 @@ from fsdp_pass.search.planned_from import agree_on_step
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
-from fsdp_pass.shard.groups import has_peers
+from fsdp_pass.ranks import has_peers
 from fsdp_pass.shard.index_inputs import check_index_inputs
 from fsdp_pass.shard.module import ShardedModel
 from fsdp_pass.shard.prologue import shard_prologue

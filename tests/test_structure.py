@@ -122,9 +122,10 @@ def test_every_collective_and_wait_is_labelled_with_its_unit(traces, strategy):
 
 PACKAGE = Path(fsdp_pass.__file__).resolve().parent
 # the stages in the order data flows (docs/layout-and-versions.md): a stage imports only stages before it, and the
-# modules every stage shares (errors, op names, predicates, text, models)
+# modules every stage shares (errors, op names, predicates, text, ranks, models)
 STAGES = ("plan", "cost", "search", "shard", "ops", "passes", "verify")
-SHARED = ("fsdp_pass.errors", "fsdp_pass.op_names", "fsdp_pass.predicates", "fsdp_pass.text", "fsdp_pass.models")
+SHARED = ("fsdp_pass.errors", "fsdp_pass.op_names", "fsdp_pass.predicates", "fsdp_pass.text", "fsdp_pass.ranks",
+          "fsdp_pass.models")
 # imports inside a function, each with why it cannot be at the top of its module
 LAZY_IMPORTS = {
     # an optional dependency (the hf extra) whose import costs ~2 s of CPU; --model hf:... says what to install
@@ -136,16 +137,12 @@ LONGEST_FUNCTION = 60  # lines, decorators excluded
 # what is left to mend, each listed so that it can only go: a new one fails, and so does a mended one still listed
 LATER_IMPORTS_LEFT = {
     ("fsdp_pass.cost.candidate_costs", "fsdp_pass.ops.flat_buffers"),  # unpack_is_view
-    ("fsdp_pass.cost.probe", "fsdp_pass.shard.groups"),
     ("fsdp_pass.cost.step_summary", "fsdp_pass.ops.unshard"),  # gathers_nothing
     ("fsdp_pass.cost.step_summary", "fsdp_pass.report.memory"),  # caller_loss
     ("fsdp_pass.plan.options", "fsdp_pass.cost.cost_model"),  # cost=: CostInputs, DEFAULTS
     ("fsdp_pass.plan.plan_units", "fsdp_pass.cost.candidate_costs"),  # ZeRO-3's last unit, decided while planning
     ("fsdp_pass.plan.plan_units", "fsdp_pass.cost.step_summary"),
     ("fsdp_pass.plan.plan_units", "fsdp_pass.search.last_unit"),
-    ("fsdp_pass.search.auto_options", "fsdp_pass.shard.groups"),  # has_peers
-    ("fsdp_pass.search.default_units", "fsdp_pass.shard.groups"),
-    ("fsdp_pass.search.planned_from", "fsdp_pass.shard.groups"),
     ("fsdp_pass.shard.prologue", "fsdp_pass.ops.grad_accumulation"),
     ("fsdp_pass.shard.prologue", "fsdp_pass.passes.proxies"),
 }

@@ -38,7 +38,7 @@ from fsdp_pass.errors import FSDPError
 from fsdp_pass.op_names import ALL_GATHER
 from fsdp_pass.cost.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
 from fsdp_pass.text import format_table, human_bytes
-from fsdp_pass.shard.groups import reduced_across_ranks, run_on_local_ranks
+from fsdp_pass.ranks import reduced_across_ranks, run_on_local_ranks
 
 
 @dataclass(frozen=True)

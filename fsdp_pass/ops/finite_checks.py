@@ -52,7 +52,8 @@ from thunder.core import prims
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.op_names import CHECK_FINITE, CLEAR_FINITE_FLAGS, RAISE_IF_NONFINITE
 from fsdp_pass.ops.flat_buffers import WRITTEN_ON
-from fsdp_pass.shard.groups import cpu_channel, has_peers
+from fsdp_pass.ranks import has_peers
+from fsdp_pass.shard.groups import cpu_channel
 
 # what a check reads, as the error and the trace's labels name it
 PARAMETERS = "parameters"  # forward: this rank's shard of the unit's parameters, as its all-gather sends it

@@ -43,7 +43,7 @@ from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.predicates import collective_kind, collectives
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.text import format_table
-from fsdp_pass.shard.groups import run_on_local_ranks
+from fsdp_pass.ranks import run_on_local_ranks
 from fsdp_pass.transform import FSDP
 
 try:  # drawing needs matplotlib (the notebooks extra); recording does not

@@ -37,7 +37,7 @@ from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.cost.step_summary import StepSummary, summarize
 from fsdp_pass.text import human_bytes
-from fsdp_pass.shard.groups import has_peers
+from fsdp_pass.ranks import has_peers
 
 
 class PlannedUnits:

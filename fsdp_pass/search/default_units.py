@@ -48,7 +48,7 @@ from fsdp_pass.plan.unit_policies import Blocks, ChosenUnits, StepModelUnits
 from fsdp_pass.search.last_unit import zero3_reshards
 from fsdp_pass.search.unit_search import NO_MOVE, Priced, block_starts, greedy_units, unit_names
 from fsdp_pass.text import human_bytes
-from fsdp_pass.shard.groups import has_peers
+from fsdp_pass.ranks import has_peers
 
 
 def settled_units(policy: StepModelUnits, device, group) -> StepModelUnits:

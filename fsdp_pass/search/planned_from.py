@@ -34,7 +34,7 @@ import torch.distributed as dist
 from fsdp_pass.errors import fail
 from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.text import human_bytes
-from fsdp_pass.shard.groups import has_peers
+from fsdp_pass.ranks import has_peers
 
 
 def held_for_backward(summary: StepSummary) -> int:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from fsdp_pass.api import fsdp_of
 from fsdp_pass.errors import check, fail
 from fsdp_pass.text import format_table
-from fsdp_pass.shard.groups import reduce_device
+from fsdp_pass.ranks import reduce_device
 
 NOT_COMPILED = "(not compiled yet)"
 

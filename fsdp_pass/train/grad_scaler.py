@@ -9,7 +9,7 @@ finds their shards finite and steps, and the ranks' weights part for good.
 1. ``unscale_`` (called by ``step`` when the user did not): torch's, on this rank's gradient shards, giving
    this rank's verdict per device (inf/NaN found or not);
 2. one all-reduce (max) of that verdict over every rank of the model (HSDP's replicas too), on
-   :func:`~fsdp_pass.shard.groups.reduce_device`: every rank now holds the same verdict, "found" when any
+   :func:`~fsdp_pass.ranks.reduce_device`: every rank now holds the same verdict, "found" when any
    rank's shard held an inf or a NaN;
 3. ``step`` and ``update`` are torch's, reading that verdict: every rank skips or steps, and every rank's
    scale backs off or grows, together.
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from fsdp_pass.api import fsdp_of
 from fsdp_pass.ops.finite_checks import scaler_handles_gradients
-from fsdp_pass.shard.groups import reduced_across_ranks
+from fsdp_pass.ranks import reduced_across_ranks
 
 
 class GradScaler(torch.amp.GradScaler):
