@@ -103,7 +103,7 @@ def is_unshard_unit(bsym) -> bool:
 # the ops around a unit's collectives (fsdp_pass.ops.flat_buffers, grad_accumulation), before and after lowering
 _PACK_SHARDS = (PACK_SHARDS, PACK_SHARDS_OP)
 _UNPACK_GATHERED = (UNPACK_GATHERED, UNPACK_GATHERED_OP)
-_VIEW_SHARDS = (VIEW_SHARDS, VIEW_SHARDS_OP)  # a gather over one rank: fsdp_pass.ops.unshard.gathers_nothing
+_VIEW_SHARDS = (VIEW_SHARDS, VIEW_SHARDS_OP)  # a gather over one rank: fsdp_pass.plan.gather_rules.gathers_nothing
 _PACK_GRADS = (PACK_GRADS, PACK_GRADS_OP)
 _UNPACK_GRAD_SHARD = (UNPACK_GRAD_SHARD, UNPACK_GRAD_SHARD_OP)
 _ACCUMULATION = (ACCUMULATE_UNSHARDED_GRADS, ACCUMULATE_OP, ADD_ACCUMULATED_GRADS, ADD_ACCUMULATED_OP)

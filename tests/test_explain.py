@@ -70,7 +70,7 @@ def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
 
 
 def test_one_rank_collectives_return_their_inputs_and_the_peak_stays_exact(ranks):
-    """At world size 1 a unit's gather is its shards themselves (``fsdp_pass.ops.unshard.gathers_nothing``: no
+    """At world size 1 a unit's gather is its shards themselves (``fsdp_pass.plan.gather_rules.gathers_nothing``: no
     all-gather runs) and a reduce-scatter's result is the packed gradients
     (``fsdp_pass.ops.flat_buffers.collective_returns_input``): the same storage, nothing copied. The memory model
     counts them so: the measured peak is the predicted one, and a dry run at one rank predicts it too."""

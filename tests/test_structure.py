@@ -136,9 +136,6 @@ LAZY_IMPORTS = {
 LONGEST_FUNCTION = 60  # lines, decorators excluded
 # what is left to mend, each listed so that it can only go: a new one fails, and so does a mended one still listed
 LATER_IMPORTS_LEFT = {
-    ("fsdp_pass.cost.candidate_costs", "fsdp_pass.ops.flat_buffers"),  # unpack_is_view
-    ("fsdp_pass.cost.step_summary", "fsdp_pass.ops.unshard"),  # gathers_nothing
-    ("fsdp_pass.cost.step_summary", "fsdp_pass.report.memory"),  # caller_loss
     ("fsdp_pass.plan.options", "fsdp_pass.cost.cost_model"),  # cost=: CostInputs, DEFAULTS
     ("fsdp_pass.plan.plan_units", "fsdp_pass.cost.candidate_costs"),  # ZeRO-3's last unit, decided while planning
     ("fsdp_pass.plan.plan_units", "fsdp_pass.cost.step_summary"),

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from fsdp_pass.ops.flat_buffers import unpack_is_view
+from fsdp_pass.plan.gather_rules import unpack_is_view
 from fsdp_pass.plan.checkpointing import FULL, NONE
 from fsdp_pass.cost.cost_model import CostInputs
 from fsdp_pass.cost.step_summary import StepSummary

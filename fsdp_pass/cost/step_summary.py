@@ -59,7 +59,7 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    gradient shard (``ranks`` is the shard group's size).
 
 8. ``gathers_views`` (of the whole step): whether a unit's gather is its shards themselves, views and no copy
-   (:func:`~fsdp_pass.ops.unshard.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
+   (:func:`~fsdp_pass.plan.gather_rules.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
    no quantized gather; offload, a candidate's choice, copies them all the same).
 
 9. ``quantized`` (of the whole step): the gathers are 8-bit (``MixedPrecision.gather_dtype``): each holds its
@@ -81,7 +81,7 @@ from dataclasses import dataclass
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from fsdp_pass.ops.unshard import gathers_nothing
+from fsdp_pass.plan.gather_rules import gathers_nothing
 from fsdp_pass.plan.computed_after import bytes_after_last_read
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
 from fsdp_pass.cost.op_tally import ops_by_piece, tensor_bytes
@@ -89,7 +89,7 @@ from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.predicates import is_float_tensor, is_return
-from fsdp_pass.report.memory import caller_loss
+from fsdp_pass.plan.caller_loss import caller_loss
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ def differentiable_outputs(computation, param_of_arg: dict[str, str]) -> list:
 
 def caller_loss_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
     """What a loss the caller computes on the forward's outputs holds at the backward's start, as the memory model
-    prices it (its rule 6, :func:`fsdp_pass.report.memory.caller_loss`: a cross-entropy's log-probabilities and
+    prices it (its rule 6, :func:`fsdp_pass.plan.caller_loss.caller_loss`: a cross-entropy's log-probabilities and
     their gradient, two buffers as large as the logits, in the mixed ``precision``'s ``output_dtype``); 0 where the
     forward returns its own loss (a 0-d output with a gradient) or nothing with a gradient."""
     dtype = thunder_dtype(getattr(precision, "output_dtype", None))

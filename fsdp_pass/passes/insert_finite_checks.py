@@ -12,7 +12,7 @@ of a unit's buffer has one flag per parameter, so the error names the parameter 
    shard: after its ``quantize_shard``, a check of the shards it quantized, one flag each. An offloaded unit's packed
    shard is the host-to-device copy's output: the check reads it after the copy (on the copy's stream, on CUDA).
    ZeRO-3's second gather, in the backward, is not checked again. A unit whose gather is its shards themselves (one
-   rank: :func:`~fsdp_pass.ops.unshard.gathers_nothing`) has its ``view_shards`` in place of the pack: its
+   rank: :func:`~fsdp_pass.plan.gather_rules.gathers_nothing`) has its ``view_shards`` in place of the pack: its
    parameters, views of the shards, are checked right after it, one flag each.
 2. Forward, per region: a region is a block (a repeated module, one unit per block under ``units="blocks"``; the
    parameters outside the blocks: their unit), or a unit where the unit is finer than its block. It starts at the

@@ -29,7 +29,7 @@ as a *buffer*:
    backward in eager before the backward trace starts, which no trace shows. It is taken to be a cross-entropy
    over the outputs' last dimension, as a language model's step computes it: the log-probabilities it saved
    and their gradient live beside each output's gradient while that is made, two buffers as large as each
-   non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`; :func:`caller_loss`, by
+   non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`; :func:`~fsdp_pass.plan.caller_loss.caller_loss`, by
    which ZeRO-3's last-unit rule prices the caller's loss too). A cheaper loss (a sum) makes this an over-count;
    one that upcasts the outputs first, an under-count.
 7. an 8-bit gather's quantize op allocates the whole uint8 gathered buffer and writes this rank's slice of it
@@ -68,6 +68,7 @@ from fsdp_pass.op_names import (
 )
 from fsdp_pass.ops.flat_buffers import allocated_bytes, collective_returns_input, gathers_in_place, views_of_inputs
 from fsdp_pass.ops.quantized_gather import quantized_gather_bytes, scratch_bytes
+from fsdp_pass.plan.caller_loss import caller_loss, has_own_loss
 from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
@@ -495,28 +496,6 @@ def cotangents(backward) -> list[TensorProxy]:
         return []
     flat, _ = tree_flatten(backward.args[names.index("cotangents")])
     return [p for p in flat if isinstance(p, TensorProxy)]
-
-
-def has_own_loss(outputs) -> bool:
-    """Whether one of the forward's outputs with a gradient (or one of those gradients) is 0-d: a loss computed
-    inside the model, which the caller's loss (rule 6) is not added to."""
-    return any(len(o.shape) == 0 for o in outputs)
-
-
-def caller_loss(outputs, dtype=None) -> tuple[tuple[str, int], ...]:
-    """Rule 6: the buffers ``(name, bytes)`` that a loss computed outside the model holds at the backward's start,
-    given the forward's outputs with gradients (or those gradients: the same shapes and dtypes): a cross-entropy
-    over each non-scalar one's last dimension, its log-probabilities and their gradient, each as large as the
-    output (in ``dtype`` where given: the mixed precision's ``output_dtype``, which the outputs are cast to after
-    planning). None where one of them is 0-d: that is a loss computed inside the model (a Hugging Face model fed
-    labels), traced. The one definition the memory model (:func:`step_memory`) and ZeRO-3's last-unit rule
-    (:func:`fsdp_pass.cost.step_summary.caller_loss_bytes`) price the caller's loss by."""
-    if has_own_loss(outputs):
-        return ()
-    return tuple(
-        (f"{o.name}:{what}", int(o.numel) * (dtype or o.dtype).bytes) for o in outputs
-        for what in ("log-probabilities", "their gradient")
-    )
 
 
 def step_memory(forward, backward=None) -> StepMemory:

@@ -10,7 +10,7 @@ prefetch depths, offload, checkpointing; its ``reshard`` is ignored) with every 
 one kept. The last unit reshards only where that lowers the predicted step peak by more than the model's error
 (``TIE``: 1 % of the kept peak; on the Llamas it was measured on the model is within 0.3 % of the traces, on tiny
 models a few hundred bytes off); a tie keeps it (a gather saved).
-Over a group of one rank a gather is the shards themselves (:func:`~fsdp_pass.ops.unshard.gathers_nothing`): both
+Over a group of one rank a gather is the shards themselves (:func:`~fsdp_pass.plan.gather_rules.gathers_nothing`): both
 choices hold the same bytes and the last unit stays.
 
 ``plan_units``, the default units (:mod:`~fsdp_pass.search.default_units`) and the auto planner's hand-written ZeRO-3
