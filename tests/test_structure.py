@@ -141,7 +141,6 @@ LATER_IMPORTS_LEFT = {
     ("fsdp_pass.plan.plan_units", "fsdp_pass.cost.step_summary"),
     ("fsdp_pass.plan.plan_units", "fsdp_pass.search.last_unit"),
     ("fsdp_pass.shard.prologue", "fsdp_pass.ops.grad_accumulation"),
-    ("fsdp_pass.shard.prologue", "fsdp_pass.passes.proxies"),
 }
 LONG_FUNCTIONS_LEFT: set[str] = set()
 
