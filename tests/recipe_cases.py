@@ -40,7 +40,8 @@ from tests.rank_cases import _rel
 
 SEQ, PER_RANK = 32, 2
 RECIPE = MixedPrecision(BF16, reduce_dtype=torch.float32)
-SGD_LR = 1.0  # large enough that a step moves the tiny models' losses by percents, not by rounding
+SGD_LR = 1.0  # plain SGD: the update is the gradient times this, so a gradient of the wrong scale shows in the
+# parameters every later step starts from (the reference's gradients, compared every step, see them)
 ADAMW_LR = 1e-3
 
 
