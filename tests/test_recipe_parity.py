@@ -28,9 +28,10 @@ BF16_EPS = 2.0**-8
 TOL_FSDP2 = 5e-4
 TOL_SAME_CASTS = 1e-6
 # max |ours - FSDP2's| / max |FSDP2's| of one parameter's gradient at the first step, in bfloat16 epsilons (2**-8);
-# worst measured 1.90 eps (7.4e-3, Qwen2's k_proj.bias). Later steps are not held to it: the two sides' parameters
-# drift apart by the first step's roundings (4.2 eps at the third Qwen2 step)
-GRAD_FSDP2 = 4 * BF16_EPS
+# worst measured 5.04 eps (2.0e-2, NeoX's input_layernorm.weight: a sum over every token of bfloat16 products),
+# 1.90 on Qwen2, 1.86 on Llama. Later steps are not held to it: the two sides' parameters drift apart by the first
+# step's roundings (4.2 eps at the third Qwen2 step against 1.9 at the first)
+GRAD_FSDP2 = 6 * BF16_EPS
 # the same against the one-process reference, every step; worst measured 0.0 (the same casts and sums)
 GRAD_SAME_CASTS = 1e-6
 
