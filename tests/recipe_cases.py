@@ -179,6 +179,7 @@ def side_by_side(kind: str, strategy: str, steps: int = 3, micro_batches: int = 
         "planted": planted,
         "logits_dtypes": {name: sorted(d) for name, d in logits_dtypes.items()},
         "shard_dtypes": sorted({str(p.dtype) for p in jm.parameters()}),
+        "tied": sorted({s.shard_of for s in fsdp_of(jm).sharding.params if s.is_tied}),  # names used twice
     }
 
 
