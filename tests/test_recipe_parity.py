@@ -35,9 +35,9 @@ GRAD_FSDP2 = 6 * BF16_EPS
 # the same against the one-process reference, every step; worst measured 0.0 (the same casts and sums)
 GRAD_SAME_CASTS = 1e-6
 # except a tied tensor's (GPT-2's embedding and head): the two sides round the sum of its two gradients
-# differently (which op of ours does is not traced yet): worst measured 0.61 eps (2.4e-3) at the first step. The steps after start
-# from parameters that differ by that update, so a model with a tied tensor is held to the reference at the
-# first step only (its later gradients then lie within 2.8 eps, its losses within 2.8e-5)
+# differently (which op of ours does is not traced yet): worst measured 0.61 eps (2.4e-3) at the first step. The
+# steps after start from parameters that differ by that update, so a model with a tied tensor is held to the
+# reference at the first step only (its later gradients then lie within 2.8 eps, its losses within 2.8e-5)
 GRAD_TIED = 1 * BF16_EPS
 
 CASES = {
