@@ -68,18 +68,18 @@ def _from_a_copy(new, bsym, target: TensorProxy) -> None:
 
 def copy_before_in_place(trace) -> object:
     grad = carrying_gradient(trace)
-    rewrite = [b for b in trace.bound_symbols if _written_target(b) is not None
-               and any(p.name in grad for p in _tensors(b.flat_args))]
-    if not rewrite:
+    written = {id(b): (b, t) for b in trace.bound_symbols if (t := _written_target(b)) is not None
+               and any(p.name in grad for p in _tensors(b.flat_args))}  # the ops to rewrite, and their targets
+    if not written:
         return trace
     new = from_trace(trace)
     with tracectx(new):
         for bsym in trace.bound_symbols:
-            if any(bsym is b for b in rewrite):
-                _from_a_copy(new, bsym, _written_target(bsym))
+            if id(bsym) in written:
+                _from_a_copy(new, bsym, written[id(bsym)][1])
             else:
                 new.bound_symbols.append(bsym)
-    names = ", ".join(sorted({b.sym.name for b in rewrite}))
+    names = ", ".join(sorted({b.sym.name for b, _ in written.values()}))
     new.set_provenance(TraceProvenance(f"fsdp_pass: in-place ops computed from a copy ({names})"))
     return new
 
