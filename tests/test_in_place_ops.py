@@ -11,9 +11,9 @@ from fsdp_pass_executors import executors_for
 from torch import nn
 
 from fsdp_pass import FSDP, fsdp_of
-from fsdp_pass.shard.global_view import gather_full
 from tests.one_rank import one_rank
 from tests.rank_cases import _rel
+from tests.train_cases import _full_grads
 
 
 class TopTwoRouter(nn.Module):
@@ -41,9 +41,7 @@ def test_an_in_place_division_in_a_router_has_eager_gradients():
     with one_rank():
         jm = thunder.jit(copy.deepcopy(eager), transforms=[FSDP("zero3")], executors=executors_for("cpu"))
         jm(x).square().mean().backward()
-        fsdp = fsdp_of(jm)
-        grads = {s.name: gather_full(jm.get_parameter(s.name).grad, s.layout, fsdp.group)
-                 for s in fsdp.sharding.owners()}
+        grads = _full_grads(jm, fsdp_of(jm))
     eager(x).square().mean().backward()
     forward = str(thunder.last_traces(jm)[-1])
     assert "copied for the backward of the in-place op that writes it" in forward  # the copy, labelled
