@@ -9,7 +9,8 @@ Before Thunder's autodiff, on the functional forward trace: :func:`rewrite_forwa
                backward would otherwise read overwritten
                (:func:`~fsdp_pass.passes.copy_before_in_place.copy_before_in_place`);
   1. plan      which parameters are gathered together, which units reshard after forward, which are
-               checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`); under ``FSDP("auto")`` the
+               checkpointed (:func:`~fsdp_pass.plan.plan_units.plan_units`, then ZeRO-3's last unit:
+               :func:`~fsdp_pass.search.reshard_last_unit.reshard_last_unit`); under ``FSDP("auto")`` the
                auto planner chooses the units, their resharding and the prefetch depth first, with ``units=``
                left out the step model chooses the units (:func:`~fsdp_pass.search.decisions.decided_options`).
                Every decision reads the step summary every rank plans from, agreed at the model's first compile
@@ -52,7 +53,7 @@ from dataclasses import replace
 
 from fsdp_pass.compiled_step import PHASES, CompiledStep
 from fsdp_pass.op_names import ALL_GATHER
-from fsdp_pass.ops.grad_accumulation import REDUCE
+from fsdp_pass.ops.grad_accumulation import REDUCE, grad_sync_check
 from fsdp_pass.passes.cast_compute import cast_compute
 from fsdp_pass.passes.checkpoint_units import checkpoint_units
 from fsdp_pass.passes.copy_before_in_place import copy_before_in_place, label_copies
@@ -67,6 +68,7 @@ from fsdp_pass.search.decisions import decided_options
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.plan_units import plan_units
 from fsdp_pass.search.planned_from import agree_on_step
+from fsdp_pass.search.reshard_last_unit import reshard_last_unit
 from fsdp_pass.plan.schedule import Schedule, resolve_schedule
 from fsdp_pass.plan.trace_arguments import parameter_names_of_args
 from fsdp_pass.plan.units import UnitPlan
@@ -100,9 +102,12 @@ def rewrite_forward(prologue, computation, model: ShardedModel, options: FSDPOpt
     summary = step_summary(computation, param_of_arg, model, options, executors)
     planned_from = first.planned_from if first is not None else agree_on_step(summary, model.groups.everyone)
     options, auto, choice = decided_options(planned_from, model, options, first)
-    plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree, planned_from.summary)
+    plan = plan_units(computation, param_of_arg, model.sharding, options, model.tree)
+    plan = reshard_last_unit(plan, options, computation, planned_from.summary)
     plan = replace(plan, auto=auto, summary=summary, units_choice=choice, planned_from=planned_from)
-    prologue = shard_prologue(prologue, model.sharding, model.placed_on, grad_sync)
+    mode, accumulators = grad_sync
+    checks = () if accumulators is None else (grad_sync_check(accumulators, mode),)
+    prologue = shard_prologue(prologue, model.sharding, model.placed_on, checks)
     offloaded = options.offload_to is not None
     computation = insert_unshards(
         computation,

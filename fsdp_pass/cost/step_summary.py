@@ -67,7 +67,7 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
 
 10. ``after_last_read`` (of the whole step): per parameter, the bytes the forward computes after its last read
    (:func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`): ZeRO-3's last-unit rule where the step model
-   cannot price the units (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`) reads them here, from the summary
+   cannot price the units (:func:`~fsdp_pass.search.reshard_last_unit.keeps_last_unit`) reads them here, from the summary
    every rank plans from (:mod:`~fsdp_pass.search.planned_from`), not from a rank's own trace.
 
 No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused

@@ -1,5 +1,5 @@
 """What the forward computes after an op: the byte rule's input for ZeRO-3's last unit where the step model cannot
-price the units (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`).
+price the units (:func:`~fsdp_pass.search.reshard_last_unit.keeps_last_unit`).
 
 ``compute_after(computation, index) -> (op names, bytes)``: the ops after op ``index`` that compute a floating-point
 tensor, and the bytes of what they compute. ``bytes_after_last_read(computation, param_of_arg)``: those bytes after

@@ -13,7 +13,7 @@ models a few hundred bytes off); a tie keeps it (a gather saved).
 Over a group of one rank a gather is the shards themselves (:func:`~fsdp_pass.plan.gather_rules.gathers_nothing`): both
 choices hold the same bytes and the last unit stays.
 
-``plan_units``, the default units (:mod:`~fsdp_pass.search.default_units`) and the auto planner's hand-written ZeRO-3
+The compile (:mod:`~fsdp_pass.search.reshard_last_unit`), the default units (:mod:`~fsdp_pass.search.default_units`) and the auto planner's hand-written ZeRO-3
 (:mod:`~fsdp_pass.search.auto_plan`) ask this one function, so what they price is what the compile does.
 ``reshard_after_forward=`` given by the user overrides it.
 """
