@@ -29,6 +29,20 @@ def _check(results, world_size):
         assert x["schedule"] == r["schedule"], (rank, x["schedule"], r["schedule"])
 
 
+# One block where the case's property does not need two (the suite's time is compile time; a second block adds
+# about a quarter to one): the GQA Llama's grouped heads, rotary tables and RMS norms are all in its one block; the tied GPT-2's
+# embedding and head are outside its blocks. Two blocks where the units are built from them: the GPT-2 under the
+# default units at world 2 (the step model chooses among four units), under each schedule (prefetch across units)
+# and under the explicit glob "blocks.*.attn" (one unit per matching block).
+ONE_BLOCK = {"n_layer": 1}
+
+
+def _config(model_name, world_size=2):
+    if model_name == "llama_gqa" or (model_name == "gpt2_tied" and world_size != 2):
+        return ONE_BLOCK
+    return None
+
+
 # world 4 for the models where it changes something: padding rows on more ranks, a tied weight's shards
 DEFAULT_UNIT_CASES = [(m, 2) for m in sorted(MODELS)] + [("odd_shapes", 4), ("gpt2_tied", 4)]
 
@@ -36,7 +50,8 @@ DEFAULT_UNIT_CASES = [(m, 2) for m in sorted(MODELS)] + [("odd_shapes", 4), ("gp
 @pytest.mark.parametrize("strategy", ["zero2", "zero3"])
 @pytest.mark.parametrize(("model_name", "world_size"), DEFAULT_UNIT_CASES)
 def test_parity_default_units(ranks, model_name, strategy, world_size):
-    results = ranks(world_size).run(rank_cases.parity, model_name, strategy)
+    config = _config(model_name, world_size)
+    results = ranks(world_size).run(rank_cases.parity, model_name, strategy, model_config=config)
     _check(results, world_size)
     # units= left out: the step model chose them (search.default_units), the same on every rank
     assert results[0]["units_choice"].startswith("units: chosen by the step model for cpu-gloo"), results[0]
@@ -47,14 +62,17 @@ def test_parity_default_units(ranks, model_name, strategy, world_size):
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_parity_explicit_non_adjacent_unit(ranks, model_name, strategy):
     units = NON_ADJACENT_UNITS[model_name]
-    results = ranks(2).run(rank_cases.parity, model_name, strategy, units=units, reshard_after_forward=True)
+    results = ranks(2).run(
+        rank_cases.parity, model_name, strategy, units=units, reshard_after_forward=True, model_config=_config(model_name)
+    )
     _check(results, 2)
     assert "+".join(units[0]) in results[0]["unit_names"]  # the explicit unit was built as asked
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_parity_per_parameter_units(ranks, model_name):
-    _check(ranks(2).run(rank_cases.parity, model_name, "zero3", units="per_parameter"), 2)
+    config = ONE_BLOCK if model_name in ("gpt2_tied", "llama_gqa") else None  # a unit per parameter either way
+    _check(ranks(2).run(rank_cases.parity, model_name, "zero3", units="per_parameter", model_config=config), 2)
 
 
 SCHEDULES = {
@@ -65,11 +83,13 @@ SCHEDULES = {
 }
 
 
+# On the two-block tied GPT-2 (its tied weight read by the embedding and again by the head): what a
+# schedule changes is where gathers and reduce-scatters are issued and waited for across units, which the GQA
+# Llama's attention does not touch (its parity under the default schedule: test_parity_default_units[llama_gqa-*]).
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-@pytest.mark.parametrize("model_name", ["gpt2_tied", "llama_gqa"])
-def test_parity_schedules(ranks, model_name, schedule):
-    _check(ranks(2).run(rank_cases.parity, model_name, "zero3", schedule=SCHEDULES[schedule]), 2)
+def test_parity_schedules(ranks, schedule):
+    _check(ranks(2).run(rank_cases.parity, "gpt2_tied", "zero3", schedule=SCHEDULES[schedule]), 2)
 
 
 def test_parity_world_size_1(ranks):
-    _check(ranks(1).run(rank_cases.parity, "gpt2_tied", "zero3", steps=3), 1)
+    _check(ranks(1).run(rank_cases.parity, "gpt2_tied", "zero3", steps=3, model_config=ONE_BLOCK), 1)
