@@ -1,5 +1,5 @@
 """tests/tracing_memos.py (installed by tests/conftest.py in this process): Thunder's interpreter gets what it got
-without the memos, and the cyclic GC does not run while it iterates a live dict."""
+without the memos and the shortcut, and the cyclic GC does not run while it iterates a live dict."""
 
 import dis
 import traceback
@@ -40,6 +40,37 @@ def test_an_error_in_traced_code_points_at_its_line_each_time():
                 thunder.jit(fn)(torch.ones(2))
             frames = [(f.filename, f.lineno) for f in traceback.extract_tb(info.value.__traceback__)]
             assert (__file__, fn.__code__.co_firstlineno + offset) in frames, frames
+
+
+SCALE = 3
+
+
+def _reads_globals_and_builtins(x):
+    return x * SCALE + len(x.shape) + torch.ones(2).sum()
+
+
+def _reads_a_name_nowhere(x):
+    return x * NOWHERE  # noqa: F821
+
+
+def test_a_global_name_is_the_wrapper_the_interpreter_looks_up(monkeypatch):
+    """The shortcut: each global name (SCALE, torch) and builtin (len) a traced function reads is the very wrapper
+    the interpreter's own lookup (three interpreted frames) gives, and a name defined nowhere is its NameError."""
+    shortcut = interpreter.globals_lookup
+    own = shortcut.__wrapped__
+    looked_up = []
+
+    def both(globals_dict, name):
+        found = shortcut(globals_dict, name)
+        looked_up.append((interpreter.unwrap(name), found is own(globals_dict, name)))
+        return found
+
+    monkeypatch.setattr(interpreter, "globals_lookup", both)
+    assert thunder.jit(_reads_globals_and_builtins)(torch.ones(2)).tolist() == [6.0, 6.0]
+    assert {"SCALE", "len", "torch"} <= {name for name, _ in looked_up}
+    assert all(same for _, same in looked_up), looked_up
+    with pytest.raises(NameError, match="NOWHERE"):
+        thunder.jit(_reads_a_name_nowhere)(torch.ones(2))
 
 
 def test_a_collection_while_thunder_iterates_a_dict_does_not_change_it():
