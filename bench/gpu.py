@@ -55,7 +55,8 @@ synchronized around each; median), then one forward + backward under torch's pro
 communication kernels' time that a compute kernel overlapped (NCCL only: gloo has no kernels), and for our
 rows the step's peak next to ``explain()``'s prediction, and the auto planner's step model on the row's plan
 (``fsdp_pass.predict_step``: ``model ms`` and ``model peak``), priced from a probe of these ranks (``--cost
-probe``, the default) or a default set: the README's "predicted vs measured" table, on a GPU.
+probe``, the default) or a default set: the table of predicted against measured steps of docs/units-cost-schedule.md ("The auto
+plan"), on a GPU.
 
 On CUDA ``peak GiB`` is ``max_memory_allocated`` over the timed steps (parameters, gradients, optimizer
 state, activations). On CPU, where no allocator keeps a peak, it is one more whole step (forward, backward,

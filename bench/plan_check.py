@@ -1,5 +1,6 @@
 """What the auto planner predicts for the benchmark's plans, next to what the traces say: the predicted half of
-the README's "predicted vs measured" table (``bench.run`` measures the other half).
+the table of predicted against measured steps in docs/units-cost-schedule.md ("The auto plan"; ``bench.run``
+measures the other half).
 
     .venv/bin/python -m bench.plan_check [--world 2] [--budget 22MiB] [--cost cpu-gloo|h100-nvlink|probe]
 

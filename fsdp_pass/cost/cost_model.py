@@ -86,7 +86,8 @@ class CostInputs:
     # bytes per second between the device and where offloaded shards live (one direction); None: not measured
     host_bytes_per_s: float | None = None
     # the share of a collective's time that compute running beside it hides: 1 when the two do not slow each
-    # other (a GPU's copy engines and spare SMs), less where they share the same cores (gloo on a busy CPU)
+    # other (NCCL's kernels on a few SMs of their own, on a stream beside the compute's), less where they share
+    # the same cores (gloo on a busy CPU)
     overlap: float = 1.0
     # host time of one op of the executed trace: Python, the dispatcher, a kernel launch
     op_s: float = 0.0

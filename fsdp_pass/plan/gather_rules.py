@@ -19,8 +19,8 @@ def gathers_nothing(world_size: int, cast: bool, moved: bool) -> bool:
 
 def unpack_is_view(count: int) -> bool:
     """Whether unpacking a gathered buffer returns views of it and copies nothing: one parameter (its padding
-    rows dropped as a view of a prefix). Several parameters are copied out, at world size 1 too, where views
-    would need no copy: the forward may keep one of them for the backward (a norm's weight, broadcast), and a
-    view keeps the whole buffer alive, so a unit resharded after forward would stay gathered until its
-    backward."""
+    rows dropped as a view of a prefix). Several parameters are copied out, also over one rank where a gather is
+    issued there (cast or offloaded), where views would need no copy: the forward may keep one of them for the
+    backward (a norm's weight, broadcast), and a view keeps the whole buffer alive, so a unit resharded after
+    forward would stay gathered until its backward."""
     return count == 1

@@ -38,8 +38,8 @@ differ from FSDP2's recipe (``fully_shard`` on every decoder layer, then on the 
   quantization (straight-through: the optimizer steps the unquantized master weights, only what the forward and
   backward compute with is rounded).
   This changes numerics (opt-in): int8 blocks of 128 round each weight to within half a step of
-  ``amax/127`` of its block, float8_e4m3fn to 3 mantissa bits; the README's section on 8-bit gathers has the
-  measured validation loss against a bfloat16 gather.
+  ``amax/127`` of its block, float8_e4m3fn to 3 mantissa bits; docs/precision-offload-accumulation.md (8-bit gathers) has
+  the measured validation loss against a bfloat16 gather.
 - ``output_dtype`` (default: leave the outputs as computed): the model's floating outputs are cast to it at the
   end of the forward (:mod:`fsdp_pass.passes.cast_compute`, the one cast the pass writes into the trace itself).
   FSDP2 casts the outputs of every module it wraps; with one policy for the blocks and the root that would hand

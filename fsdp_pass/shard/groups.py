@@ -6,8 +6,7 @@ moving data, so traces can be built, printed and counted at world size 64 on a l
 under it is a real result.
 
 Ranks spawned on this machine in one gloo group (``free_port``, ``init_local_gloo``, ``run_on_local_ranks``) and
-the small reductions over a group live in :mod:`fsdp_pass.ranks`, which every stage may import; they are named
-here too for the notebooks and scripts that import them from here.
+the small reductions over a group live in :mod:`fsdp_pass.ranks`, which every stage may import.
 """
 
 from __future__ import annotations
@@ -19,14 +18,6 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_process_group_store  # torch has no public name for it
 
 from fsdp_pass.errors import check
-from fsdp_pass.ranks import (  # noqa: F401  (named here for the notebooks and scripts that import them from here)
-    free_port,
-    has_peers,
-    init_local_gloo,
-    reduce_device,
-    reduced_across_ranks,
-    run_on_local_ranks,
-)
 
 
 @contextmanager
