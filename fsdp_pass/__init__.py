@@ -29,6 +29,12 @@ def _version() -> str:
 
 __version__ = _version()
 
+from fsdp_pass.shard import gloo_exit as _gloo_exit
+
+# At exit, wait until gloo's worker threads are idle (a rank aborted otherwise: see the module). Registered before the
+# rest is imported (it needs the standard library alone), so that the exit hooks of what it imports run before it.
+_gloo_exit.install()
+
 from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.plan.layout import ShardLayout

@@ -33,6 +33,7 @@ from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forw
 
 from fsdp_pass.errors import check, fail
 from fsdp_pass.models.hf_tracing import trace_hf_models
+from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision, resolve_mixed_precision, traced_dtype
@@ -67,7 +68,8 @@ def functional_trace(model, *args, mixed_precision=None, **kwargs):
     args, kwargs = inputs_of_step(args, kwargs, precision)
     keep = _KeepTraces()
     jm = trace_hf_models(thunder.jit(model, transforms=[keep]))  # as FSDP: transformers 5's models
-    thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
+    with gc_guard():  # as FSDP's compiles (models/thunder_gc_guard.py)
+        thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     return keep.traces
 
 

@@ -1,5 +1,6 @@
-"""Tier 1: what the README and its pages under docs/ name exists, so moving a module, renaming a function or a
-command-line flag, or renaming a section cannot leave them behind.
+"""Tier 1: what the README, its pages under docs/ and BENCHMARKS.md name exists, so moving a module, renaming a
+function or a command-line flag, or renaming a section cannot leave them behind (BENCHMARKS.md's commands are the
+ones that reproduce its tables).
 
 1. Every dotted name under ``fsdp_pass`` or ``fsdp_pass_executors`` (``fsdp_pass.models.zoo.CONFIGS``,
    ``fsdp_pass_executors.executor_choice(device)``, ``-m fsdp_pass.loop``) resolves: its longest importable
@@ -27,7 +28,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-TEXT = {p.relative_to(REPO).as_posix(): p.read_text() for p in PAGES}
+TEXT = {p.relative_to(REPO).as_posix(): p.read_text() for p in [*PAGES, REPO / "BENCHMARKS.md"]}
 ALL = "\n".join(TEXT.values())
 
 

@@ -15,23 +15,15 @@ Llama, plain ``thunder.jit``, forward and backward of its first call, 2 runs eac
 without, 6.6-7.2 with the first memo, 5.6-6.9 with both. fsdp_pass itself does not import this module.
 
 One guard, against a race of Thunder's own that made a rank test flake (``dictionary changed size during
-iteration``): ``populate_item_wrappers`` (thunder/core/interpreter.py), which the interpreter calls the first time
-traced code reads or writes a dict, iterates that live dict and allocates for each entry, so the cyclic GC may run
-in the middle and run weakref callbacks that delete from it. The dicts that do it: once a process has run
-``torch.compile`` (test_fused_lowering's ranks do), dynamo tags every ``nn.Module`` it creates in
-``GenerationTracker.generation_values``, an ``ExactWeakKeyDictionary`` whose two dicts lose a module's entry when
-the module dies; a Hugging Face model's forward creates a ``ModuleList`` (``self.layers[:n]``), so its trace
-iterates those dicts over every module of the process. The guard pauses the automatic collections while Thunder
-iterates (what is freed is freed at the next one); nothing else changes. Measured: the tiny Llama under the
-recipe's FSDP, 12 compiles in a process with dynamo's tagging, 2000 live modules and 300 dead ones in cycles:
-1 failure with both memos, with only the first, with none; 0 with the guard. Its cost: ~1,900 calls a compile,
-40 ns each.
+iteration``): the cyclic GC collecting while Thunder's interpreter walks a live dict. fsdp_pass guards its own
+compiles (:mod:`fsdp_pass.models.thunder_gc_guard`, which says why and measured it); the test processes also jit
+models without FSDP (parity references, timings) after ``torch.compile`` ran, so ``install()`` puts the package's
+guarded ``populate_item_wrappers`` in for good here.
 """
 
 from __future__ import annotations
 
 import dis
-import gc
 import types
 import weakref
 
@@ -72,22 +64,6 @@ def _frame_memo(make):
     return get_or_make_python_frame
 
 
-def _no_collection_during(populate):
-    """``populate_item_wrappers`` with the cyclic GC's automatic collections paused while it iterates (a nested
-    call leaves them to the outer one)."""
-
-    def populate_item_wrappers(obj):
-        if not gc.isenabled():
-            return populate(obj)
-        gc.disable()
-        try:
-            return populate(obj)
-        finally:
-            gc.enable()
-
-    return populate_item_wrappers
-
-
 def install() -> None:
     """Install both memos and the guard in this process (once; a Thunder without these helpers is left as it
     is)."""
@@ -97,6 +73,8 @@ def install() -> None:
     _installed = True
     from thunder.core import interpreter
 
+    from fsdp_pass.models.thunder_gc_guard import paused_collections
+
     if getattr(interpreter, "dis", None) is dis:
         interpreter.dis = _instructions_memo()
     frame_class = getattr(interpreter, "InterpreterFrame", None)
@@ -105,7 +83,7 @@ def install() -> None:
         frame_class.get_or_make_python_frame = _frame_memo(make)
     populate = getattr(interpreter, "populate_item_wrappers", None)
     if populate is not None:  # the interpreter calls it by its global name
-        interpreter.populate_item_wrappers = _no_collection_during(populate)
+        interpreter.populate_item_wrappers = paused_collections(populate)
 
 
 def _spawned_processes_install_them_too() -> None:

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_pass_executors import dry_run_choice
 
 from fsdp_pass.errors import check
+from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.plan.cost_model import DEFAULTS
 from fsdp_pass.report.meta_attention import sdpa_on_meta_as_cuda
@@ -156,6 +157,7 @@ def dry_run(
     with ExitStack() as stack:
         stack.enter_context(fake_process_group(world_size))
         stack.enter_context(autocast_on_meta_as("cpu"))
+        stack.enter_context(gc_guard())  # as FSDP's compiles (models/thunder_gc_guard.py)
         if device == "cuda":
             stack.enter_context(sdpa_on_meta_as_cuda())
         copied = stack.enter_context(traced_once_per_layer_stack(module)) if not trace_every_layer else None

@@ -9,5 +9,7 @@
 - :mod:`~fsdp_pass.shard.state_dict`: the model's state dict, sharded (DTensors) or full, out and in;
 - :mod:`~fsdp_pass.shard.original`: the original module once sharded: calling it is refused, jitting it again
   starts from the shards;
-- :mod:`~fsdp_pass.shard.requires_grad`: ``requires_grad`` changed after compiling: the plan follows it.
+- :mod:`~fsdp_pass.shard.requires_grad`: ``requires_grad`` changed after compiling: the plan follows it;
+- :mod:`~fsdp_pass.shard.gloo_exit`: at exit, wait until the gloo groups' worker threads are idle (a rank aborted
+  otherwise).
 """

@@ -13,7 +13,8 @@ float32, where a cast to float32 was no op at all).
    state-dict methods: this ThunderModule only) is where every call's inputs pass before the compiled step. It
    checks their devices (:func:`~fsdp_pass.shard.input_checks.check_input_devices`), does step 1 when mixed
    precision casts (the prologue trace then shows the inputs it checks in ``param_dtype``), calls the compiled
-   step, and when Thunder fails to trace it, names the inputs that explain the failure
+   step (under :func:`~fsdp_pass.models.thunder_gc_guard.gc_guard`: Thunder compiles there), and when Thunder
+   fails to trace it, names the inputs that explain the failure
    (:func:`~fsdp_pass.shard.input_checks.explain_trace_failure`). A dry run and the functional path's trace
    cast the same way (:func:`inputs_of_step`).
 """
@@ -26,6 +27,7 @@ import thunder
 import torch
 from torch.utils._pytree import tree_map
 
+from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.shard.input_checks import check_input_devices, explain_trace_failure, named_tensors
 
@@ -77,7 +79,8 @@ def check_and_cast_inputs_on_call(thunder_module, fsdp) -> None:
             args, kwargs = inputs_of_step(args, kwargs, precision)
         started = time.perf_counter_ns()
         try:
-            return compiled_forward(thunder_module, *args, **kwargs)
+            with gc_guard():  # Thunder compiles in here: no collection mid-way through its dict walks
+                return compiled_forward(thunder_module, *args, **kwargs)
         except Exception as e:
             if not _tracing_failed(thunder.compile_stats(thunder_module), started):
                 raise
