@@ -4,11 +4,12 @@
 
 Each rank builds two ZeRO-3 copies of the Llama-style benchmark model (:mod:`fsdp_pass.models.zoo`), one with the
 checks, and trains both (forward, loss, backward, AdamW), the two taking turns so that the machine's load drifting
-over the run weighs on both alike. The checks add per unit an ``aminmax`` of its packed shard, of its output and of
-its gradient before and after the reduce-scatter, and per step one host copy of the flags and one all-reduce of
-them (the verdict). On a shared machine the difference of two step times is noisy, so the time spent inside the
-check ops is also clocked directly, per step of the checked row: the checks, and the verdict (which includes any
-wait for the slower rank at its all-reduce). Prints rank 0's numbers; gloo ranks on this machine's CPU, one thread
+over the run weighs on both alike. The checks add per unit an ``aminmax`` of its packed shard and of its gradient
+before and after the reduce-scatter (on the CPU the whole buffer first, each parameter's part only when it is not
+finite; on a GPU one per parameter), one of each block's output, and per forward and per backward one host copy of
+that phase's flags and one all-reduce of them (the verdicts). On a shared machine the difference of two step times is noisy, so the time spent inside the
+check ops is also clocked directly, per step of the checked row: the checks, and the verdicts (which include any
+wait for the slower rank at their all-reduces). Prints rank 0's numbers; gloo ranks on this machine's CPU, one thread
 each (``--world 1``: one rank).
 """
 
@@ -24,8 +25,8 @@ from bench.step_cost import interleaved_medians, stepper
 from fsdp_pass import FSDP
 from fsdp_pass.models.zoo import Config
 from fsdp_pass.ops import finite_checks
-from fsdp_pass.report.text import format_table
-from fsdp_pass.shard.groups import run_on_local_ranks
+from fsdp_pass.text import format_table
+from fsdp_pass.ranks import run_on_local_ranks
 
 ROWS = {"check_finite=False": False, "check_finite=True": True}
 CLOCKED = {"checks": ("check_finite_impl", "clear_finite_flags_impl"), "verdict": ("raise_if_nonfinite_impl",)}

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdp_pass.report.text import format_table
+from fsdp_pass.text import format_table
 
 CONFIGS = Path(__file__).parent / "configs"
 ROWS = {

@@ -38,10 +38,10 @@ Systems (``--only`` picks some, comma-separated):
   ours zero3 resharded  units="blocks" and reshard_after_forward=True: the last unit too is gathered again in
                   the backward (by default it stays gathered from the forward)
   ours zero3/zero2 default  ``units=`` left out: the step model chooses the units for the device's default cost
-                  inputs (:mod:`fsdp_pass.plan.default_units`)
+                  inputs (:mod:`fsdp_pass.search.default_units`)
   ours auto       FSDP("auto"): units, resharding and prefetch planned from the device's default cost inputs
                   (h100-nvlink on CUDA), within the device's memory
-  ours auto probed  the same, planned from a probe of these ranks (fsdp_pass.plan.probe, the matmul in --dtype)
+  ours auto probed  the same, planned from a probe of these ranks (fsdp_pass.cost.probe, the matmul in --dtype)
   ours zero3 int8/float8  with --recipe: the default units, parameters gathered as 8-bit codes with block scales
                   (MixedPrecision(bfloat16, float32, gather_dtype=torch.int8 | torch.float8_e4m3fn))
 
@@ -87,11 +87,11 @@ from bench.kernel_overlap import cuda_kernels, kernel_overlap
 from bench.precision import AUTOCAST_ROWS, RECIPE_NOTE, Precision
 from bench.systems_gpu import SYSTEMS, Setup, build_system
 from bench.workload import ZOO, Workload
-from fsdp_pass.plan.cost_model import DEFAULTS
-from fsdp_pass.plan.probe import probe
+from fsdp_pass.cost.cost_model import DEFAULTS
+from fsdp_pass.cost.probe import probe
 from fsdp_pass.report.measure import allocated_during
-from fsdp_pass.report.text import format_table, human_bytes
-from fsdp_pass.shard.groups import free_port
+from fsdp_pass.text import format_table, human_bytes
+from fsdp_pass.ranks import free_port
 
 
 def parse_args(argv=None):

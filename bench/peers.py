@@ -263,7 +263,7 @@ def ours_builder(
         schedule = None if prefetch is None else Schedule(prefetch=prefetch)
         opts = dict(options or {})
         if opts.get("cost") == "probe":  # collective: the same fitted numbers on every rank, so the same plan
-            from fsdp_pass.plan.probe import probe
+            from fsdp_pass.cost.probe import probe
 
             opts["cost"] = probe()
         if policy is not None:  # None: units= left out, the step model chooses them

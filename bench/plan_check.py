@@ -3,14 +3,14 @@ the README's "predicted vs measured" table (``bench.run`` measures the other hal
 
     .venv/bin/python -m bench.plan_check [--world 2] [--budget 22MiB] [--cost cpu-gloo|h100-nvlink|probe]
 
-``--cost probe`` measures the cost inputs first on ``--world`` gloo ranks spawned here (``fsdp_pass.plan.probe``),
+``--cost probe`` measures the cost inputs first on ``--world`` gloo ranks spawned here (``fsdp_pass.cost.probe``),
 as ``bench.run``'s ``ours auto probed`` row does.
 
 In one process, dry runs (fake process group, meta device) of the benchmark model at ``--world`` ranks:
 
 1. ``FSDP("auto")`` without a budget (its summary of the step also gives what lives before the step);
 2. the hand-written plans of ``bench.peers`` and the auto plan within ``--budget``, each compiled, and priced
-   by the step model (``DryRun.predict_step``, :mod:`fsdp_pass.plan.price_plan`): its step time and its peak
+   by the step model (``DryRun.predict_step``, :mod:`fsdp_pass.cost.price_plan`): its step time and its peak
    (per-parameter units cut the pieces the model prices: "-").
 
 Columns: the predicted step (compute + optimizer + exposed communication, in ms); the predicted *step* peak
@@ -26,12 +26,12 @@ import warnings
 from bench.peers import OURS_CONFIGS
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.models.spec import build_model
-from fsdp_pass.plan.cost_model import DEFAULTS
-from fsdp_pass.plan.probe import probe_local_ranks
+from fsdp_pass.cost.cost_model import DEFAULTS
+from fsdp_pass.cost.probe import probe_local_ranks
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.report.text import format_table
+from fsdp_pass.text import format_table
 
 ROWS = ("ours zero2 per-param", "ours zero2 blocks", "ours zero3 blocks", "ours zero3 by-size 1.7MB",
         "ours zero2 by-size 1.7MB", "ours zero2 by-size whole", "ours auto")

@@ -4,7 +4,7 @@
 
 No multi-GPU machine is at hand, so this is a simulation: a dry run of the step as rank 0 of 8 would compile it,
 priced by the auto planner's step model with the ``h100-nvlink`` cost inputs, set beside a row torchtitan
-publishes. Nothing was tuned to the table: the cost inputs are :data:`fsdp_pass.plan.cost_model.DEFAULTS`
+publishes. Nothing was tuned to the table: the cost inputs are :data:`fsdp_pass.cost.cost_model.DEFAULTS`
 as they stand (their sources are written next to them), and the row was chosen before the prediction was run.
 
 1. The published row (:data:`PUBLISHED`): torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1
@@ -109,7 +109,7 @@ def table_rows(row: Published, pred: Predicted) -> list[tuple[str, float, float]
 
 
 def format_table(row: Published, pred: Predicted, level: str) -> str:
-    from fsdp_pass.plan.cost_model import DEFAULTS
+    from fsdp_pass.cost.cost_model import DEFAULTS
 
     out = [
         f"published: {row.source}",

@@ -147,8 +147,8 @@ def _worst(a, b) -> float:
 
 
 def main(argv=None) -> int:
-    from fsdp_pass.report.text import format_table
-    from fsdp_pass.shard.groups import run_on_local_ranks
+    from fsdp_pass.text import format_table
+    from fsdp_pass.ranks import run_on_local_ranks
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("models", nargs="*", help=f"{', '.join(HF_FAMILIES)}, or litgpt:<config name>")

@@ -76,7 +76,7 @@ from bench.model import Config, build_model, make_batch, param_count
 from bench.peers import EXTRA_COLUMNS, all_systems, select
 from fsdp_pass.op_names import ALL_REDUCE
 from fsdp_pass.report.measure import allocated_during
-from fsdp_pass.shard.groups import free_port
+from fsdp_pass.ranks import free_port
 
 BYTES_PER_PARAM = 4  # fp32
 

@@ -86,7 +86,7 @@ def on_rank(layers: int, rounds: int, steps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    from fsdp_pass.shard.groups import run_on_local_ranks
+    from fsdp_pass.ranks import run_on_local_ranks
 
     p = argparse.ArgumentParser(prog="python -m bench.step_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -29,7 +29,7 @@ from fsdp_pass_executors import executors_for
 from bench.model import loss_fn, make_batch
 from fsdp_pass import FSDP
 from fsdp_pass.models.zoo import Config, LlamaLM
-from fsdp_pass.shard.groups import free_port, init_local_gloo
+from fsdp_pass.ranks import free_port, init_local_gloo
 
 
 def stepper(transforms, cfg: Config):

@@ -9,7 +9,9 @@ In a printed execution trace they read ``fsdp_pack_shards``, ``fsdp_unpack_gathe
   all-gather (:mod:`fsdp_pass_executors.collectives`) fills it in place around the slice, so no send buffer
   lives beside the gathered one. Shards offloaded to pinned host memory are copied to the GPU on the
   communication stream, after it waits for the compute stream, so the copy runs while the compute stream
-  goes on and the all-gather that reads the buffer follows it on the same stream.
+  goes on and the all-gather that reads the buffer follows it on the same stream. The buffer names that stream
+  (:data:`fsdp_pass.ops.flat_buffers.WRITTEN_ON`): ``check_finite=True``'s check of the packed shard, which reads it
+  before the all-gather's wait, runs on it too, after the copy (the quantized gather's pack is this op as well).
 - Unpacking a gathered buffer copies each parameter out of the rank-major layout with one
   ``split_with_sizes_copy`` (one kernel on CUDA); padding rows are dropped as a view of a prefix. Only a
   one-parameter unit copies nothing (its parameter is a view of the buffer); a unit of several parameters is
@@ -67,6 +69,7 @@ def pack_shards_impl(shards, unit: str, dtype, device, group=None) -> torch.Tens
         comm.wait_stream(compute)
         with torch.cuda.stream(comm):
             _copy_into_slices(flat, shards)
+        setattr(flat, fb.WRITTEN_ON, comm)  # a reader before the all-gather's wait runs after the copy, on comm
     elif all(s.dtype == dtype and s.device == device for s in shards):
         torch.cat([s.reshape(-1) for s in shards], out=flat)
     else:

@@ -3,6 +3,11 @@
 from importlib import metadata as _metadata
 from pathlib import Path as _Path
 
+try:
+    import tomllib as _tomllib
+except ImportError:  # Python 3.10: no tomllib; the version then says unknown
+    _tomllib = None
+
 _DISTRIBUTION = "fsdp-pass"
 
 
@@ -19,11 +24,9 @@ def _version() -> str:
     except _metadata.PackageNotFoundError:
         pass
     try:
-        import tomllib
-
         pyproject = _Path(__file__).resolve().parent.parent / "pyproject.toml"
-        return tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
-    except (ImportError, OSError, KeyError, ValueError):
+        return _tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
+    except (AttributeError, OSError, KeyError, ValueError):
         return "0+unknown"
 
 
@@ -37,6 +40,7 @@ _gloo_exit.install()
 
 from fsdp_pass.api import explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync, predict_step
 from fsdp_pass.errors import FSDPError
+from fsdp_pass.ops.finite_checks import NonFiniteError
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
@@ -69,6 +73,7 @@ __all__ = [
     "GradScaler",
     "Groups",
     "MixedPrecision",
+    "NonFiniteError",
     "PerParameter",
     "Resumed",
     "Schedule",

@@ -11,7 +11,7 @@
 
 prints the FSDP plan with each unit's schedule, the bytes each rank sends per step and the predicted
 peak memory per rank, and writes the forward and backward traces to ``--out``. Without ``--units`` the step
-model chooses the units, as ``FSDP(...)`` does with ``units=`` left out (:mod:`fsdp_pass.plan.default_units`),
+model chooses the units, as ``FSDP(...)`` does with ``units=`` left out (:mod:`fsdp_pass.search.default_units`),
 from the cost inputs of ``--cost`` (default ``h100-nvlink``, as for the auto plan); ``--units blocks`` gives one
 unit per block. ``--model`` takes what :mod:`fsdp_pass.models.spec` builds: a built-in config, a Hugging Face
 config, or a factory of your own.
@@ -28,14 +28,14 @@ import torch
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.models import zoo
 from fsdp_pass.models.spec import FACTORY_FORMS, build_model
-from fsdp_pass.plan import probe
-from fsdp_pass.plan.cost_model import DEFAULTS
+from fsdp_pass.cost import probe
+from fsdp_pass.cost.cost_model import DEFAULTS
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.plan.unit_policies import BySize
 from fsdp_pass.report.dry_run import DEVICES, dry_run, target_device
 from fsdp_pass.report.explain import OPTIMIZER_STATES
-from fsdp_pass.report.text import human_count
+from fsdp_pass.text import human_count
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         help="left out: FSDP's default, the units the step model chooses (with the cost inputs of --cost, default "
         "h100-nvlink); 'blocks' (one unit per block, the default before), 'per_parameter', or 'size:<MiB>' (BySize)",
     )
+    _add_step_options(p)
+    probe.add_parser(commands)
+    return parser
+
+
+def _add_step_options(p: argparse.ArgumentParser) -> None:
+    """The explain command's options for the step: prefetch, optimizer, shape, precision, offload, output."""
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (-1: Thunder's order)")
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATES),
                    help="its state in the memory prediction; the auto plan prices its step too")
@@ -116,8 +123,6 @@ def _parser() -> argparse.ArgumentParser:
         "which prints the same plan and traces in a fraction of the time)",
     )
     p.add_argument("--out", default=None, help="folder for forward_trace.py, backward_trace.py, explain.txt")
-    probe.add_parser(commands)
-    return parser
 
 
 def _mesh(spec: str) -> tuple[int, int]:

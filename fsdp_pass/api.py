@@ -4,7 +4,7 @@ its parts to the stage that does the work.
 - ``fsdp_of(jm)``: the :class:`~fsdp_pass.transform.FSDP` transform ``jm`` was jitted with;
 - ``explain(jm | fsdp | plan)``: :mod:`fsdp_pass.report.explain` of the latest compile (or of a plan alone);
 - ``predict_step(jm, cost=...)``: the auto planner's step model on the latest compile's plan
-  (:mod:`fsdp_pass.plan.price_plan`);
+  (:mod:`fsdp_pass.cost.price_plan`);
 - ``no_sync(jm)``: accumulate gradients without reduce-scatters (:mod:`fsdp_pass.ops.grad_accumulation`);
 - ``full_state_dict(jm)``, ``load_full_state_dict(jm, sd)``: :mod:`fsdp_pass.shard.state_dict` (the
   sharded forms, optimizers and checkpoint folders: :mod:`fsdp_pass.train`).
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from fsdp_pass.errors import fail
-from fsdp_pass.plan.step_model import Prediction
+from fsdp_pass.cost.step_model import Prediction
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.report.explain import Explanation, explain_plan
 from fsdp_pass.shard import state_dict
@@ -60,10 +60,10 @@ def predict_step(target, *, cost=None) -> Prediction:
     """What the auto planner's step model predicts for the plan of a model jitted with :class:`~fsdp_pass.FSDP`
     (after its first step) or of an ``FSDP`` transform: the step time (compute, optimizer, exposed
     communication) and the peak per rank, as ``FSDP("auto")`` predicts its own plans, so a hand-written plan can
-    be set beside the auto plan or a measured step (:mod:`fsdp_pass.plan.price_plan`).
+    be set beside the auto plan or a measured step (:mod:`fsdp_pass.cost.price_plan`).
 
-    ``cost``: a ``fsdp_pass.plan.cost_model.DEFAULTS`` name (``"h100-nvlink"``, ``"cpu-gloo"``), ``CostInputs``,
-    or ``fsdp_pass.plan.probe.probe()``'s result; None: what ``FSDP("auto")`` planned with, else the defaults of the
+    ``cost``: a ``fsdp_pass.cost.cost_model.DEFAULTS`` name (``"h100-nvlink"``, ``"cpu-gloo"``), ``CostInputs``,
+    or ``fsdp_pass.cost.probe.probe()``'s result; None: what ``FSDP("auto")`` planned with, else the defaults of the
     device the step computes on. The optimizer is taken to be AdamW. A plan the model cannot describe
     (per-parameter units, checkpointed units) is an FSDPError saying why.
     """

@@ -6,8 +6,10 @@
         forward, backward = derive_backward_and_lower(sharded, plan)           # autodiff, lowering, stages 5-7
 
 The stages are those of :mod:`fsdp_pass.pipeline`, the ones the ``FSDP`` transform runs: the traces come
-out the same as ``thunder.jit(model, transforms=[FSDP(...)])`` makes them. No module is changed and
-nothing is communicated: the traces show what every rank would run.
+out the same as ``thunder.jit(model, transforms=[FSDP(...)])`` makes them. No module is changed and, under a fake
+group, nothing is communicated: the traces show what every rank would run. Given a real group of several ranks,
+``shard_functional_trace`` is collective: the ranks agree on what they plan from, as the transform's first compile
+does (:mod:`fsdp_pass.search.decisions`), and the traces run on them.
 
 Mixed precision acts where Thunder traces the module (its parameters in ``param_dtype``, its floating inputs cast
 to it), so a trace for ``mixed_precision=`` is made with it: ``functional_trace(model, x,
@@ -32,9 +34,11 @@ from thunder.executors.passes import del_last_used
 from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
 from fsdp_pass.errors import check, fail
+from fsdp_pass.models.hf_kv_cache import check_no_kv_cache
 from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
+from fsdp_pass.search.decisions import settle_planning_inputs
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.plan.mixed_precision import MixedPrecision, resolve_mixed_precision, traced_dtype
 from fsdp_pass.plan.module_tree import ModuleTree
@@ -62,6 +66,7 @@ def functional_trace(model, *args, mixed_precision=None, **kwargs):
     ``mixed_precision`` (a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision` or a dtype): trace it as the
     ``FSDP`` transform does under that setting, on a copy of ``model`` whose floating parameters are in
     ``param_dtype``, with the floating inputs cast to it (unless ``cast_forward_inputs=False``)."""
+    check_no_kv_cache(model, kwargs)  # transformers' models: as FSDP's calls (models/hf_kv_cache.py)
     precision = resolve_mixed_precision(mixed_precision)
     if precision.param_dtype is not None:
         model = _with_parameters_traced_as(model, precision)
@@ -129,6 +134,11 @@ def shard_functional_trace(
     ``executors``: the list the trace will be lowered with (:func:`derive_backward_and_lower`'s, the CPU's when
     left out): the plan's step summary reads which attentions it runs as one kernel (on the CPU,
     ``cpu_attention``'s flash kernel, which keeps no b·h·s·s scores for the backward).
+
+    Over a real group of several ranks (not the fake one) the call is collective, as ``FSDP``'s first compile is:
+    every rank calls it with its own trace, and they agree on the cost inputs (rank 0's) and on the step they plan
+    from (:mod:`~fsdp_pass.search.planned_from`), so every rank's traces issue the same collectives whatever the
+    shapes each traced.
     """
     check(
         dist.is_initialized(),
@@ -151,6 +161,7 @@ def shard_functional_trace(
     sharding = sharding_of_trace(prologue, computation, groups.shard, fsdp.strategy, stored)
     sharded = ShardedModel(sharding, groups, tree)
     executors = tuple(executors if executors is not None else executors_for("cpu"))
+    fsdp = settle_planning_inputs(fsdp, None, groups.everyone)  # the CPU's defaults unless cost= says otherwise
     _, computation, plan, planned = rewrite_forward(prologue, computation, sharded, fsdp, executors=executors)
     # the options the plan was made with (the auto plan's under "auto"): the lowering's stages read them, as the
     # transform's do from its CompiledStep

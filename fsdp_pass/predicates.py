@@ -103,7 +103,7 @@ def is_unshard_unit(bsym) -> bool:
 # the ops around a unit's collectives (fsdp_pass.ops.flat_buffers, grad_accumulation), before and after lowering
 _PACK_SHARDS = (PACK_SHARDS, PACK_SHARDS_OP)
 _UNPACK_GATHERED = (UNPACK_GATHERED, UNPACK_GATHERED_OP)
-_VIEW_SHARDS = (VIEW_SHARDS, VIEW_SHARDS_OP)  # a gather over one rank: fsdp_pass.ops.unshard.gathers_nothing
+_VIEW_SHARDS = (VIEW_SHARDS, VIEW_SHARDS_OP)  # a gather over one rank: fsdp_pass.plan.gather_rules.gathers_nothing
 _PACK_GRADS = (PACK_GRADS, PACK_GRADS_OP)
 _UNPACK_GRAD_SHARD = (UNPACK_GRAD_SHARD, UNPACK_GRAD_SHARD_OP)
 _ACCUMULATION = (ACCUMULATE_UNSHARDED_GRADS, ACCUMULATE_OP, ADD_ACCUMULATED_GRADS, ADD_ACCUMULATED_OP)
@@ -128,7 +128,7 @@ def is_unpack_gathered(bsym) -> bool:
 
 
 def is_quantize_shard(bsym) -> bool:
-    """The packed shard quantized into the uint8 buffer of codes and scales its all-gather moves."""
+    """This rank's shards quantized into its slice of the uint8 buffer of codes and scales its all-gather fills."""
     return _id(bsym) in _QUANTIZE_SHARD
 
 
@@ -171,6 +171,21 @@ def is_shape_check(bsym) -> bool:
 
 def is_return(bsym) -> bool:
     return bsym.sym is prims.python_return
+
+
+def is_clone(bsym) -> bool:
+    """A copy of a tensor (``clone``), before lowering or after."""
+    return _id(bsym) in (prims.PrimIDs.CLONE, "clone")
+
+
+def is_copy_into(bsym) -> bool:
+    """``copy_(value, destination)``: how Thunder writes an in-place op's result into its tensor."""
+    return _id(bsym) in (prims.PrimIDs.COPY_, "copy_")
+
+
+def is_in_place(bsym) -> bool:
+    """An op Thunder tags as writing into its input (``a /= b``, ``x.add_(y)``)."""
+    return prims.OpTags.IN_PLACE in (bsym.sym.tags or ())
 
 
 def is_float_tensor(proxy) -> bool:
@@ -258,6 +273,11 @@ def is_input_unpacking(bsym) -> bool:
 def is_step_check(bsym) -> bool:
     """``check_same_collectives``: the per-step check that every rank issues the same collectives."""
     return _id(bsym) == CHECK_SAME_COLLECTIVES
+
+
+def is_del(bsym) -> bool:
+    """``del``: the end of some names' lifetimes."""
+    return _id(bsym) == prims.PrimIDs.DEL
 
 
 def is_finite_check(bsym) -> bool:

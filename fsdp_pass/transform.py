@@ -17,7 +17,6 @@ Each compile is kept as one frozen :class:`~fsdp_pass.compiled_step.CompiledStep
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import thunder
 from thunder.core.trace import TraceTag
@@ -30,14 +29,13 @@ from fsdp_pass.models.hf_tracing import trace_hf_models
 from fsdp_pass.op_names import COMM_EXECUTOR
 from fsdp_pass.ops.grad_accumulation import GradAccumulators
 from fsdp_pass.pipeline import finish_lowered, rewrite_forward
-from fsdp_pass.plan.auto_options import agreed_settings
+from fsdp_pass.search.decisions import settle_planning_inputs
 from fsdp_pass.plan.layout import shard_tensor
 from fsdp_pass.plan.options import DEFAULT_TIMEOUT, FSDPOptions
-from fsdp_pass.plan.default_units import StepModelUnits
-from fsdp_pass.plan.price_plan import price_plan
+from fsdp_pass.cost.price_plan import price_plan
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule
 from fsdp_pass.plan.sharding import Strategy
-from fsdp_pass.plan.step_model import Prediction
+from fsdp_pass.cost.step_model import Prediction
 from fsdp_pass.report.explain import Explanation, explain_step
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
 from fsdp_pass.shard.forward_inputs import check_and_cast_inputs_on_call
@@ -58,14 +56,14 @@ class FSDP(Transform):
     Args:
         strategy: ``"zero2"`` (keep gathered parameters for the backward), ``"zero3"`` (free them
             after forward, gather again in the backward), or ``"auto"``: the auto planner
-            (:mod:`fsdp_pass.plan.auto_plan`) chooses the units, which of them reshard after forward, the
+            (:mod:`fsdp_pass.search.auto_plan`) chooses the units, which of them reshard after forward, the
             prefetch depth and, where the budget needs it, which units checkpoint their activations (selective
             or full), for the fastest predicted step within ``memory_budget``; ``explain()`` prints the plan
             with a reason per decision.
         memory_budget: with ``"auto"``: bytes per rank the step may peak at (``"20GiB"``, ``"512MiB"``, or an
             int); default: the CUDA device's memory, no bound on the CPU.
-        cost: with ``"auto"``, or ``units=`` left out: what collectives and compute cost (:mod:`fsdp_pass.plan.cost_model`): a name in
-            ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.plan.probe.probe(...)``'s
+        cost: with ``"auto"``, or ``units=`` left out: what collectives and compute cost (:mod:`fsdp_pass.cost.cost_model`): a name in
+            ``DEFAULTS`` (``"h100-nvlink"``, ``"cpu-gloo"``), a ``CostInputs``, or ``fsdp_pass.cost.probe.probe(...)``'s
             result measured on your ranks; default: the defaults of the device the step computes on.
         optimizer: with ``"auto"``: what steps the shards, for its state's bytes and its time
             (:mod:`fsdp_pass.plan.optimizers`): ``"adamw"`` (default), ``"adam"``, ``"sgd-momentum"``, ``"sgd"``.
@@ -81,9 +79,10 @@ class FSDP(Transform):
         units: the unit policy (see :mod:`fsdp_pass.plan.unit_policies`): ``"blocks"`` (one unit per
             repeated block, the rest grouped by where the trace uses them), ``"per_parameter"``, a
             list of modules / classes / names (explicit units), or ``BySize(max_bytes)``. Left out, the step
-            model chooses them at the first compile (:mod:`fsdp_pass.plan.default_units`): the units with the
-            fastest predicted step for the other options as given, within the device's memory, starting from
-            ``"blocks"``'s; ``explain()`` prints the choice and why.
+            model chooses them at the first compile (:mod:`fsdp_pass.search.default_units`): the units with the
+            fastest predicted step for the other options as given whose predicted peak is no higher than
+            ``"blocks"``'s (memory first), starting from ``"blocks"``'s, from a step every rank agrees on
+            (:mod:`fsdp_pass.search.planned_from`); ``explain()`` prints the choice, why, and what it traded.
         reshard_after_forward: None (ZeRO-3: every unit but the last one gathered, that one too where
             what the forward computes after it, e.g. a loss inside the model, outgrows it; ZeRO-2: none),
             True, False, or a function ``Unit -> bool`` deciding per unit.
@@ -95,10 +94,11 @@ class FSDP(Transform):
             unit), or a function ``Unit -> bool``. The recomputation reads the gather the backward
             does anyway: no extra collective.
         mixed_precision: None (no casts), a :class:`~fsdp_pass.plan.mixed_precision.MixedPrecision`, or a
-            dtype (gather and compute in it, reduce in float32), with FSDP2's semantics: the module is traced
-            with its parameters in ``param_dtype`` and its floating inputs cast to it, its own casts as written,
-            its buffers as defined. The shards stay in their dtype: the optimizer steps on them as master
-            weights. float16 wants :class:`fsdp_pass.GradScaler`.
+            dtype (gather and compute in it, reduce in float32), with FSDP2's semantics at the root: the module is
+            traced with its parameters in ``param_dtype`` and the model's floating inputs cast to it, its own casts
+            as written, its buffers as defined (where and why it differs from FSDP2:
+            :mod:`~fsdp_pass.plan.mixed_precision`). The shards stay in their dtype: the optimizer steps on them as
+            master weights. float16 wants :class:`fsdp_pass.GradScaler`.
         offload_to: None, or the device the shards, their gradients (and so the optimizer state) live
             on between uses, e.g. ``"cpu"``: each unit's shards are copied to ``device`` right before
             its all-gather and its gradient shard is copied back after its reduce-scatter.
@@ -110,10 +110,12 @@ class FSDP(Transform):
         timeout: seconds (or a ``timedelta``) a collective helper (``full_state_dict``, ``get_state_dict``,
             ``save_checkpoint``, ...) waits for every rank to call it before raising an FSDPError that names
             the ranks that did not; default 10 minutes.
-        check_finite: check each unit's parameters (this rank's shard), outputs and gradients (before and after
-            the reduce-scatter) for NaN and inf inside the step; a step that produced one raises, at the end of
-            its backward, the same FSDPError on every rank naming the first unit in execution order, what was
-            not finite and the rank (:mod:`fsdp_pass.ops.finite_checks`). False (default): no op in the traces.
+        check_finite: check each parameter (this rank's shard), each block's output and each parameter's
+            gradient (before and after the reduce-scatter) for NaN and inf inside the step; a forward or a
+            backward that produced one raises at its end the same ``NonFiniteError`` (an FSDPError) on every
+            rank naming the first parameter (its module and unit) or output in execution order, which check saw
+            it and the rank; with an enabled ``fsdp_pass.GradScaler`` the gradients' overflow is left to it
+            (:mod:`fsdp_pass.ops.finite_checks`). False (default): no op in the traces.
     """
 
     def __init__(
@@ -164,6 +166,7 @@ class FSDP(Transform):
         self.accumulators = GradAccumulators()  # what no_sync() accumulates for this transform's model
         self.model: ShardedModel | None = None  # set once the module is sharded
         self.compiled_step: CompiledStep | None = None  # the latest compile
+        self.first_plan = None  # the first compile's UnitPlan: the step every rank planned from, and the decisions
         self.argument_names: tuple[str, ...] = ()  # the module's positional forward parameters
 
     def __repr__(self) -> str:
@@ -213,12 +216,8 @@ class FSDP(Transform):
         )
         self.argument_names = positional_names(model._model)  # for the errors that name an input
         check_and_cast_inputs_on_call(model, self)
-        if self.options.auto is not None:  # every rank plans from rank 0's cost inputs and budget
-            settings = agreed_settings(self.options.auto, self.model.device, groups.everyone)
-            self.options = replace(self.options, auto=settings)
-        elif isinstance(self.options.unit_policy, StepModelUnits):  # the same cost inputs and budget on every rank
-            policy = self.options.unit_policy.settled(self.model.device, groups.everyone)
-            self.options = replace(self.options, unit_policy=policy)
+        # every rank plans from rank 0's cost inputs and budget
+        self.options = settle_planning_inputs(self.options, self.model.device, groups.everyone)
         model._fsdp_pass_plan = self.model.sharding
         remember_shards(model, self.model, released=self.release_original_parameters)
         install_state_dict_methods(model, self)
@@ -228,11 +227,11 @@ class FSDP(Transform):
         grad_sync = (self.accumulators.mode(), self.accumulators)
         prologue_trace, computation_trace, plan, options = rewrite_forward(
             prologue_trace, computation_trace, self.model, self.options, grad_sync, kwargs.get("executors_list", ()),
-            self.argument_names,
+            self.argument_names, self.first_plan,
         )
         self.compiled_step = CompiledStep(plan, options)
-        if isinstance(self.options.unit_policy, StepModelUnits):  # later compiles keep the units chosen now
-            self.options = replace(self.options, unit_policy=options.unit_policy)
+        if self.first_plan is None:  # every rank's first compile: later ones (one rank's alone) keep its decisions
+            self.first_plan = plan
         return prologue_trace, computation_trace, epilogue_trace
 
     def transform_trace_post_optimization(self, computation_trace, **kwargs):
@@ -240,10 +239,15 @@ class FSDP(Transform):
         step = self.compiled_step
         trace, units = finish_lowered(
             computation_trace, phase, step.plan, step.options, self.model.groups.everyone, step_key=step.key,
-            scope=f"model{self.ordinal}", forward=step.forward if phase == "backward" else None,
+            scope=self.scope, forward=step.forward if phase == "backward" else None,
         )
         self.compiled_step = step.with_final_trace(phase, trace, units, lowered=computation_trace)
         return trace
+
+    @property
+    def scope(self) -> str:
+        """This model's name among the models of this process, the same on every rank (its per-step state)."""
+        return f"model{self.ordinal}"
 
     def overlap_report(self) -> OverlapReport:
         """Per collective of the latest compile: issue, wait, and the compute that runs in between."""
@@ -261,7 +265,7 @@ class FSDP(Transform):
     def arrive(self, what: str) -> None:
         """Return once every rank of the group has called the collective helper ``what`` on this model; an
         FSDPError naming the ranks that did not after ``FSDP(timeout=...)`` (:mod:`fsdp_pass.verify.ranks_arrive`)."""
-        ranks_arrive(what, self.model.groups.everyone, self.options.timeout, scope=f"model{self.ordinal}")
+        ranks_arrive(what, self.model.groups.everyone, self.options.timeout, scope=self.scope)
 
     def _compiled(self, what: str) -> CompiledStep:
         check(

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from fsdp_pass.plan.auto_plan import smallest_peak
-from fsdp_pass.plan.cost_model import DEFAULTS, LinkCost
+from fsdp_pass.search.auto_plan import smallest_peak
+from fsdp_pass.cost.cost_model import DEFAULTS, LinkCost
 from tests import models, rank_cases
 
 

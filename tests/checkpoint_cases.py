@@ -365,13 +365,6 @@ def damaged_and_foreign_checkpoints(jm, model_name: str, optimizer: str, directo
     return out
 
 
-def run_loop(argv: list[str]) -> dict[int, float]:
-    """fsdp_pass.loop (the README's loop: accumulation, clipping, a schedule, checkpoints) on this pool's ranks."""
-    from fsdp_pass import loop
-
-    return loop.train(loop.arguments(argv), say=lambda *a, **k: None)
-
-
 def rank_extra(rank: int) -> dict:
     """What a loop keeps per rank (its data loader's position, its random generator's state: they differ by rank)
     beside what every rank shares (the schedule's state)."""

@@ -1,4 +1,5 @@
-"""Rank functions for tests/test_quantized_gather.py: 8-bit parameter gathers on gloo ranks against one process.
+"""Rank functions for tests/test_quantized_gather.py: 8-bit parameter gathers on gloo ranks against one process, and
+a real step's memory against explain()'s and the step model's.
 
 The reference quantizes the way the pass documents (:mod:`fsdp_pass.plan.quantized_layout`), written out here
 from the documented rule rather than with the pass's layout code: each parameter zero-padded to whole rows per
@@ -17,11 +18,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from fsdp_pass_executors import executors_for
 
-from fsdp_pass import FSDP, MixedPrecision, fsdp_of, full_state_dict
+from fsdp_pass_executors.collectives import watching_issues
+
+from fsdp_pass import FSDP, FSDPError, MixedPrecision, explain, fsdp_of, full_state_dict, predict_step
 from fsdp_pass.op_names import ALL_GATHER
-from fsdp_pass.report.measure import CollectiveBytes
+from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass.shard.global_view import gather_full
-from tests import hsdp_cases, models
+from tests import explain_cases, hsdp_cases, models
 
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
@@ -165,3 +168,59 @@ def quantized_parity(model_name: str, strategy: str, gather_dtype, steps: int = 
     out["frozen_grads"] = [n for n, p in jm.named_parameters() if not p.requires_grad and p.grad is not None]
     out["forward"] = str(fsdp.compiled_step.forward)
     return out
+
+
+def measured_step(strategy: str, gather_dtype, param_dtype=torch.bfloat16, steps: int = 3) -> dict:
+    """explain()'s test model (:mod:`tests.explain_cases`, one unit per block) computing in ``param_dtype`` (None: in
+    float32) with 8-bit gathers, trained with AdamW: what ``steps`` steps after two warm-up ones allocate (measured),
+    explain()'s traced step peak, whole peak and text, the step model's peak (``predict_step``), the bytes of all
+    parameters in the compute dtype, and per all-gather of the measured steps whether it filled the buffer its
+    quantize op wrote into (its output and input share storage)."""
+    module, args = explain_cases.build_model()
+    numel = sum(p.numel() for p in module.parameters())  # unsharded (the transform shards the module's own)
+    precision = MixedPrecision(param_dtype, output_dtype=torch.float32, gather_dtype=gather_dtype)
+    jm = thunder.jit(module, transforms=[FSDP(strategy, units="blocks", mixed_precision=precision)],
+                     executors=executors_for("cpu"))
+    opt = torch.optim.AdamW(jm.parameters(), lr=1e-3)
+    in_place, peaks = [], []
+
+    def watch(kind, out, inp, group, call):
+        if kind is ALL_GATHER:
+            in_place.append(out.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr())
+        return call()
+
+    for i in range(2 + steps):  # two warm-up steps: compile, then the optimizer's state exists
+        opt.zero_grad(set_to_none=True)
+        if i < 2:
+            jm(*args).backward()
+        else:
+            with watching_issues(watch):
+                peaks.append(allocated_during(lambda: jm(*args).backward()).peak_bytes)
+        opt.step()
+    e = explain(jm)
+    return {"measured": peaks, "traced_step": e.memory.step.peak_bytes, "traced": e.memory.peak,
+            "predicted": predict_step(jm).peak_bytes, "in_place": in_place, "text": str(e),
+            "held": numel * (param_dtype or torch.float32).itemsize}
+
+
+def inf_in_a_shard(poisoned_rank: int = 1) -> dict:
+    """The MLP under ZeRO-3 with int8 gathers and ``check_finite=True``: a clean step, then an inf planted in
+    ``poisoned_rank``'s shard of ``fc2.weight`` (its own 8-bit gather reads it): what each rank raises."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    precision = MixedPrecision(torch.bfloat16, output_dtype=torch.float32, gather_dtype=torch.int8)
+    jm = thunder.jit(models.build("mlp"), transforms=[FSDP("zero3", units="blocks", mixed_precision=precision,
+                                                           check_finite=True)], executors=executors_for("cpu"))
+    x, y = models.batch("mlp", 2 * world, 0)
+
+    def step() -> str:
+        try:
+            models.loss_fn("mlp", jm(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2]).backward()
+        except FSDPError as e:
+            return str(e)
+        return "ok"
+
+    clean = step()
+    with torch.no_grad():
+        if rank == poisoned_rank:
+            jm.get_parameter("fc2.weight").view(-1)[5] = float("inf")
+    return {"clean": clean, "poisoned": step(), "forward": str(fsdp_of(jm).compiled_step.forward)}

@@ -14,6 +14,7 @@ from thunder.extend import get_executor
 from fsdp_pass import FSDP, MixedPrecision, explain, fsdp_of, full_state_dict, load_full_state_dict, no_sync
 from fsdp_pass.op_names import REDUCE_SCATTER
 from fsdp_pass.plan.layout import ShardLayout, shard_tensor
+from fsdp_pass.predicates import is_pack_shards, is_unpack_grad_shard
 from fsdp_pass.report.measure import CollectiveBytes, allocated_during
 from fsdp_pass.shard.global_view import gather_full
 from tests import models
@@ -252,6 +253,7 @@ def parity(
         "optimizer_state_devices": sorted(
             {str(t.device) for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()}
         ),
+        "copies": copies_across_devices(jm) if fsdp_kwargs.get("offload_to") else None,  # explain() costs a little
         "shard_numel": sum(p.numel() for p in jm.parameters()),
         "full_shapes": [tuple(p.shape) for p in reference.parameters()],  # tied parameters once
         "unit_names": [u.name for u in fsdp.unit_plan.units],
@@ -262,6 +264,22 @@ def parity(
         "schedule": [(r.phase, r.kind, r.unit, r.issued_at, r.waited_at) for r in fsdp.overlap_report().rows],
         "exposed": [(r.phase, r.kind, r.unit) for r in fsdp.overlap_report().exposed()],
     } | measured
+
+
+def copies_across_devices(jm) -> dict:
+    """Where this rank's last compile moves its shards and gradient shards: the device each ``pack_shards`` op of
+    the final forward copies the shards to (``"none"``: packed where they live), the device each
+    ``unpack_grad_shard`` of the final backward puts the gradient shards on, and where explain() counts the
+    memory: (bytes on the device before the step, bytes on the host, the shards + optimizer state + gradient
+    shards). On a CPU-only machine an offloaded step computes on the CPU too, so where a tensor lives says
+    nothing: these say whether the offload was planned and put into the traces."""
+    forward, backward = thunder.last_traces(jm)[-1], thunder.last_backward_traces(jm)[-1]
+    m = explain(jm).memory
+    return {
+        "pack_to": sorted({str(b.args[3]).lower() for b in forward.bound_symbols if is_pack_shards(b)}),
+        "unpack_to": sorted({str(b.args[6]).lower() for b in backward.bound_symbols if is_unpack_grad_shard(b)}),
+        "memory": (m.before_step, m.host, m.sharded_params + m.optimizer_state + m.gradient_shards),
+    }
 
 
 def measured_step_memory(jm, opt, model_name: str, x, y) -> dict:

@@ -18,7 +18,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from fsdp_pass.shard.groups import free_port
+from fsdp_pass.ranks import free_port
 
 
 class RankError(AssertionError):
@@ -29,7 +29,7 @@ def _worker(rank, world_size, port, jobs, results, collective_timeout_s):
     import torch
     import torch.distributed as dist
 
-    from fsdp_pass.shard.groups import init_local_gloo
+    from fsdp_pass.ranks import init_local_gloo
     from tests.tracing_memos import install
 
     install()  # a third less time in Thunder's interpreter (tests/tracing_memos.py)

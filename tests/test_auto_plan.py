@@ -9,17 +9,17 @@ from types import SimpleNamespace
 import pytest
 
 from fsdp_pass import FSDP, FSDPError
-from fsdp_pass.plan.auto_checkpoint import checkpointed_for_budget
-from fsdp_pass.plan.auto_plan import plan_step, smallest_peak
-from fsdp_pass.plan.candidate_costs import Candidate, UnitCost, unit_costs
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost
+from fsdp_pass.search.auto_checkpoint import checkpointed_for_budget
+from fsdp_pass.search.auto_plan import plan_step, smallest_peak
+from fsdp_pass.cost.candidate_costs import Candidate, UnitCost, unit_costs
+from fsdp_pass.cost.cost_model import DEFAULTS, CostInputs, LinkCost
 from fsdp_pass.plan.optimizers import resolve_optimizer
 from fsdp_pass.plan.options import parse_bytes
-from fsdp_pass.plan.price_plan import candidate_of, price_plan
+from fsdp_pass.cost.price_plan import candidate_of, price_plan
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.plan.step_model import peak_of, predict
-from fsdp_pass.plan.step_summary import Piece, StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.step_model import peak_of, predict
+from fsdp_pass.cost.step_summary import Piece, StepSummary
+from fsdp_pass.text import human_bytes
 from tests import auto_cases, explain_cases, tolerances
 from tests.dry_runs import model_dry_run
 
@@ -256,7 +256,7 @@ def test_hand_written_plans_are_priced_by_the_model_the_auto_plan_uses():
     # ZeRO-3 over blocks, written by hand: what the planner's own comparison predicts for the same plan
     zero3 = model_dry_run(2, "zero3")  # test_explain's
     plan, options = zero3.explanation.plan, zero3.fsdp.compiled_step.options
-    # its last unit kept or resharded as the step model decides it (plan.last_unit), in the comparison too
+    # its last unit kept or resharded as the step model decides it (search.last_unit), in the comparison too
     compared = dict(plan_step(plan.summary, cost, None).compared)["blocks, ZeRO-3, prefetch 1"]
     priced = zero3.predict_step(cost)
     assert (priced.step_s, priced.peak_bytes) == (compared.step_s, compared.peak_bytes)
@@ -317,7 +317,7 @@ def test_the_auto_plans_measured_peak_is_within_its_budget(auto_run):
     """What FSDP('auto', memory_budget=...) promises a user: the step, measured, peaks within the budget. The step
     model once guessed what each op keeps from its inputs, and under-predicted this tiny GPT-2 by 18 % (its layer
     norms and tanh GELUs keep five tensors each, Thunder differentiating their decompositions): the plan it picked
-    measured 147,800 B against a 122,544 B budget. It now asks Thunder what each op keeps (plan.saved_tensors)."""
+    measured 147,800 B against a 122,544 B budget. It now asks Thunder what each op keeps (cost.saved_tensors)."""
     for x in auto_run:
         assert _measured_total(x) <= x["budget"], (_measured_total(x), x["budget"], x["predicted_peak"])
 
@@ -373,8 +373,8 @@ def test_an_attention_computed_op_by_op_keeps_its_scores_and_the_summary_counts_
     from thunder.core.pytree import tree_flatten
     from thunder.extend import get_executor
 
-    from fsdp_pass.plan.auto_options import fused_attention
-    from fsdp_pass.plan.op_tally import attention_scores_bytes
+    from fsdp_pass.search.auto_options import fused_attention
+    from fsdp_pass.cost.op_tally import attention_scores_bytes
     from fsdp_pass.predicates import is_return
 
     # test_explain's model lowered by the torch executor alone (the CPU list's cpu_attention runs it as one kernel)

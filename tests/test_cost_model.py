@@ -8,8 +8,8 @@ import pytest
 
 from fsdp_pass import FSDPError
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs, LinkCost, fit_link, sent_bytes
-from fsdp_pass.plan.probe import probe
+from fsdp_pass.cost.cost_model import DEFAULTS, CostInputs, LinkCost, fit_link, sent_bytes
+from fsdp_pass.cost.probe import hidden_share, probe
 
 SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB .. 16 MiB
 
@@ -73,7 +73,7 @@ def canned_gather_seconds(full: int, rank: int, ranks: int = 2) -> float:
 
 
 class CannedClock:
-    """A clock read twice around each all-gather (:func:`fsdp_pass.plan.probe.time_all_gathers`): the pair of
+    """A clock read twice around each all-gather (:func:`fsdp_pass.cost.probe.time_all_gathers`): the pair of
     reads of gather k lies ``seconds[k]`` apart."""
 
     def __init__(self, seconds):
@@ -86,19 +86,26 @@ class CannedClock:
         return self.now
 
 
+# the overlap's timed runs on each rank (the gather alone, one matmul, matmuls alone, both at once): the fastest of
+# each run's 3 repeats; rank 0 hides (0.25 + 0.5 - 0.55) / 0.25 = 80 % of the gather, rank 1 (slowest) 40 %
+CANNED_OVERLAP_RUNS_S = {0: (0.25, 0.125, 0.5, 0.55), 1: (0.25, 0.125, 0.5, 0.65)}
+CANNED_OVERLAP = 0.4
+
+
 def probe_small(repeats: int = 2):
     """On every rank: the probe on small sizes (a few seconds), its all-gathers run for real and timed by a canned
     clock (the fit must not depend on this machine's load; ``python -m fsdp_pass probe`` times them for real):
     each size's warm-up 1 s, then its canned time, twice as long in its first repeat (the probe keeps the
-    fastest). The matmul, the overlap and the host are timed for real."""
+    fastest); the overlap's runs too (:data:`CANNED_OVERLAP_RUNS_S`). The matmul and the host are timed for real."""
     import torch.distributed as dist
 
-    from fsdp_pass.plan.probe import _sizes
+    from fsdp_pass.cost.probe import _sizes
 
     rank = dist.get_rank()
     sizes = _sizes(1 << 10, 1 << 20)
     seconds = [s for full in sizes for s in [1.0, *[canned_gather_seconds(full, rank) * (2 if i == 0 else 1)
                                                      for i in range(repeats)]]]
+    seconds += [s for run in CANNED_OVERLAP_RUNS_S[rank] for s in (2 * run, run, run)]  # its 3 repeats, run by run
     result = probe(max_bytes=1 << 20, repeats=repeats, clock=CannedClock(seconds))
     return {"points": result.points, "alpha": result.link.alpha_s, "beta": result.link.bytes_per_s,
             "flops": result.cost.flops_per_s, "overlap": result.cost.overlap, "text": str(result),
@@ -107,7 +114,7 @@ def probe_small(repeats: int = 2):
 
 
 def test_probe_measures_again_when_noise_hides_the_bandwidth():
-    from fsdp_pass.plan.probe import fitted
+    from fsdp_pass.cost.probe import fitted
 
     noisy = [(1 << 10, 3e-3), (1 << 20, 1e-3)]  # the small gather slower than the large: nothing to fit
     clean = [(1 << 10, 1e-4), (1 << 20, 1e-3)]
@@ -135,11 +142,18 @@ def test_probe_measures_on_two_gloo_ranks(ranks):
     assert r["beta"] == pytest.approx(CANNED_BYTES_PER_S / 1.5, rel=1e-6) and r["flops"] > 0
     assert results[1]["points"] == r["points"]  # the slowest rank's times: the same numbers on every rank
     assert results[1]["flops"] == r["flops"]  # the slowest rank's matmul rate: an auto plan made from them agrees
-    assert 0 <= r["overlap"] <= 1 and results[1]["overlap"] == r["overlap"]
+    # the slowest rank's share of the gather its compute hides, from the fastest repeats, on every rank
+    assert r["overlap"] == pytest.approx(CANNED_OVERLAP, rel=1e-9) and results[1]["overlap"] == r["overlap"]
     # per op, elementwise memory rate, AdamW per tensor and per byte: measured, and the slowest rank's everywhere
     assert all(x > 0 for x in r["host"]) and results[1]["host"] == r["host"]
     assert "per op" in r["text"] and "AdamW" in r["text"]
     assert "time = alpha + sent/beta" in r["text"] and "fitted ms" in r["text"]
+
+
+def test_the_hidden_share_is_kept_between_none_and_all():
+    assert hidden_share(1.0, 2.0, 2.5) == pytest.approx(0.5)  # half the gather ran beside the compute
+    assert hidden_share(2.0, 1.0, 2.0) == 1.0  # the shorter (the compute) hidden whole
+    assert hidden_share(1.0, 1.0, 2.5) == 0.0  # both at once slower than one after the other: nothing hidden
 
 
 def test_probe_of_one_rank_measures_compute_and_host_but_no_link():
@@ -161,7 +175,7 @@ def test_a_causal_attention_run_as_one_kernel_counts_the_pairs_it_computes():
     import thunder.torch as ltorch
     import torch
 
-    from fsdp_pass.plan.op_flops import causal_pairs, estimated_flops
+    from fsdp_pass.cost.op_flops import causal_pairs, estimated_flops
 
     b, h, s, d = 2, 3, 64, 16
     q = torch.empty(b, h, s, d, device="meta")

@@ -22,7 +22,7 @@ import math
 import pytest
 import thunder
 import torch
-from fsdp_pass.plan.op_flops import causal_pairs, estimated_flops, is_attention, is_causal
+from fsdp_pass.cost.op_flops import causal_pairs, estimated_flops, is_attention, is_causal
 from fsdp_pass_executors.cpu_attention import BACKWARD_OP, FORWARD_OP, cpu_attention_ex
 from thunder.extend import get_executor
 

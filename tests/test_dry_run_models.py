@@ -22,7 +22,7 @@ from fsdp_pass.__main__ import main
 from fsdp_pass.models import zoo
 from fsdp_pass.models.spec import build_model
 from fsdp_pass.report.dry_run import dry_run
-from fsdp_pass.report.text import human_bytes, human_count
+from fsdp_pass.text import human_bytes, human_count
 
 HF_LLAMA = Path(__file__).parent / "fixtures" / "hf_tiny_llama"
 
@@ -132,7 +132,7 @@ def test_the_dry_run_keeps_what_the_target_devices_kernels_keep():
 
 
 def test_the_default_device_follows_the_cost_inputs():
-    from fsdp_pass.plan.cost_model import DEFAULTS
+    from fsdp_pass.cost.cost_model import DEFAULTS
     from fsdp_pass.report.dry_run import target_device
 
     assert [target_device(c) for c in ("h100-nvlink", "cpu-gloo", None)] == ["cuda", "cpu", "cpu"]
@@ -328,9 +328,9 @@ def test_the_step_model_keeps_per_layer_what_the_bf16_gqa_lowering_keeps(level):
     intermediates: a residual sum a layer and the embedding's output missing). At the selective level the model keeps
     one norm's row statistic (its rsqrt, b*s bf16 values) a layer that the traces recompute: 256 B here, against
     8 KiB for each tensor it missed or counted too many before."""
-    from fsdp_pass.plan.cost_model import DEFAULTS
+    from fsdp_pass.cost.cost_model import DEFAULTS
     from fsdp_pass.plan.mixed_precision import MixedPrecision
-    from fsdp_pass.plan.candidate_costs import kept_and_recompute
+    from fsdp_pass.cost.candidate_costs import kept_and_recompute
 
     module, args = zoo.build("tiny", n_layer=2, seq=64, n_head=4, n_kv_head=1, rope_theta=10000.0)
     run = dry_run(module, args, 8, device="cuda", units="blocks", checkpoint_activations=level,
@@ -351,8 +351,8 @@ def test_the_step_model_keeps_per_layer_what_the_bf16_gqa_lowering_keeps(level):
     assert traced["model.embed"] == modelled["model.embed"], (traced["model.embed"], modelled["model.embed"])
     # the units the step model gathers again in the backward are the traces' (the embedding's is not: its gradient
     # reads the indices only; the model once gathered it again, 500 MiB on the 2-layer 7B's peak)
-    from fsdp_pass.plan.price_plan import candidate_of
-    from fsdp_pass.plan.candidate_costs import unit_costs
+    from fsdp_pass.cost.price_plan import candidate_of
+    from fsdp_pass.cost.candidate_costs import unit_costs
 
     step = run.fsdp.compiled_step
     candidate = candidate_of(summary, step.plan, step.options)

@@ -8,22 +8,24 @@ the step (torch's profiler), sharded parameters and optimizer state.
 import pytest
 import thunder
 import torch
+from thunder.core.pytree import tree_flatten
 
 from fsdp_pass import FSDP, FSDPError, explain, fake_process_group
 from fsdp_pass.__main__ import main
 from fsdp_pass.models import zoo
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
-from fsdp_pass.predicates import is_all_gather, is_pack_shards, is_reduce_scatter, is_view_shards
+from fsdp_pass.predicates import is_all_gather, is_pack_shards, is_reduce_scatter, is_return, is_view_shards
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.memory import (
     GATHERED,
     KINDS,
+    SAVED,
     is_collective_output,
     live_by_kind_over_step,
     live_over_step,
     step_memory,
 )
-from fsdp_pass.report.text import human_bytes, human_count
+from fsdp_pass.text import human_bytes, human_count
 from tests import explain_cases, tolerances
 from tests.dry_runs import model_dry_run
 
@@ -68,7 +70,7 @@ def test_predicted_peak_memory_matches_a_gloo_run(measured_and_dry):
 
 
 def test_one_rank_collectives_return_their_inputs_and_the_peak_stays_exact(ranks):
-    """At world size 1 a unit's gather is its shards themselves (``fsdp_pass.ops.unshard.gathers_nothing``: no
+    """At world size 1 a unit's gather is its shards themselves (``fsdp_pass.plan.gather_rules.gathers_nothing``: no
     all-gather runs) and a reduce-scatter's result is the packed gradients
     (``fsdp_pass.ops.flat_buffers.collective_returns_input``): the same storage, nothing copied. The memory model
     counts them so: the measured peak is the predicted one, and a dry run at one rank predicts it too."""
@@ -202,6 +204,55 @@ def test_memory_prediction_follows_views_and_lifetimes():
     norms = 2 * explain_cases.CONFIG["n_layer"] * explain_cases.CONFIG["d"] * 4
     assert m.saved_gathered_bytes == norms + 4 * last.numel
     assert all(b.end < len(dry.forward.bound_symbols) for b in gathered)
+
+
+@pytest.mark.parametrize("world, strategy", [(2, "zero2"), (2, "zero3"), (8, "zero2"), (8, "zero3")])
+def test_every_gathered_buffer_is_labelled_with_its_unit(world, strategy):
+    """Every gathered buffer of the step (whole, as its all-gather fills it in place or writes it, and the
+    parameters cut out of it) names the unit it belongs to, and the gathered-peak line names those units."""
+    dry = model_dry_run(world, strategy)
+    e = dry.explanation
+    units = {u.name for u in e.units}
+    step = e.memory.step
+    for trace_memory in (step.forward, step.backward):
+        gathered = [b for b in trace_memory.buffers if b.kind == GATHERED]
+        assert gathered and all(b.unit in units for b in gathered), [(b.name, b.op, b.unit) for b in gathered]
+    flat = e.memory.gathered.flat_buffers
+    assert flat and all(b.unit in units for b in flat)
+    (line,) = [line for line in str(e).splitlines() if "of gathered buffers (" in line]
+    assert "'?'" not in line and "None" not in line, line
+    assert all(repr(b.unit) in line for b in flat), line
+
+
+@pytest.mark.parametrize("world, strategy", [(2, "zero2"), (2, "zero3"), (8, "zero2"), (8, "zero3")])
+def test_saved_activations_are_counted_as_saved_in_the_forward_too(world, strategy):
+    """What the forward returns for the backward is saved activations from its write on, so a peak in the forward
+    splits them out too (ZeRO-2 at world 2 peaks in the forward: they were 'other tensors' and saved read 0 B
+    beside 'the forward saves ... for the backward'); gathered parameters the forward keeps stay gathered."""
+    dry = model_dry_run(world, strategy)
+    step = dry.explanation.memory.step
+    ret = next(b for b in reversed(dry.forward.bound_symbols) if is_return(b))
+    kept = {step.forward.handed_on[p.name] for p in tree_flatten(ret.args[1:])[0] if p.name in step.forward.handed_on}
+    activations = {b for b in kept if b.kind != GATHERED}
+    assert activations and all(b.kind == SAVED for b in activations)
+    assert {b for b in step.forward.buffers if b.kind == SAVED} == activations
+    assert sum(b.nbytes for b in activations) == step.saved_bytes - step.saved_gathered_bytes - _outputs_only(dry, step)
+    at = step.forward.peak_at
+    live_saved = sum(b.nbytes for b in activations if b.start <= at <= b.end)
+    assert step.forward.peak_by_kind.get(SAVED, 0) == live_saved > 0
+    if step.peak_phase == "forward":
+        text = str(dry.explanation)
+        assert f"saved activations {human_bytes(live_saved):>14}" in text, text
+
+
+def _outputs_only(dry, step) -> int:
+    """Bytes of what the forward returns as its outputs and not for the backward (the loss, here)."""
+    ret = next(b for b in reversed(dry.forward.bound_symbols) if is_return(b))
+    kept = {p.name for p in tree_flatten(ret.args[1:])[0]}
+    outs = {step.forward.handed_on[p.name] for p in tree_flatten(ret.args[0])[0]
+            if p.name in step.forward.handed_on and p.name not in kept}
+    saved = {step.forward.handed_on[n] for n in kept if n in step.forward.handed_on}
+    return sum(b.nbytes for b in outs - saved)
 
 
 def test_every_inserted_op_is_labelled_in_the_printed_traces():

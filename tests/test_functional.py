@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_pass import FSDP, fake_process_group
 from fsdp_pass.functional import derive_backward_and_lower, functional_trace, shard_functional_trace
 from fsdp_pass.pipeline import reschedule
-from fsdp_pass.plan.cost_model import DEFAULTS, LinkCost
+from fsdp_pass.cost.cost_model import DEFAULTS, LinkCost
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE
 from tests import models
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
@@ -117,7 +117,7 @@ _SLOW_LINK = replace(DEFAULTS["h100-nvlink"], link=LinkCost(0.0, 1e7), flops_per
 
 
 def test_the_functional_path_schedules_with_the_auto_plans_prefetch_depths_as_fsdp_does():
-    """FSDP("auto") schedules its step with the plan's prefetch depths (options_from_auto_plan); so does the
+    """FSDP("auto") schedules its step with the plan's prefetch depths (options_of_auto_plan); so does the
     functional path, with the options shard_functional_trace made the plan with: the same final traces."""
     x, _ = models.batch("llama_gqa", 2, 0)
     auto = dict(cost=_SLOW_LINK, memory_budget="28KiB")

@@ -8,7 +8,7 @@ and bytes. The structure comes from dry runs at world size 2 (the traces rank 0 
 region is compiled); one real 2-rank gloo run of a small MLP under the same executors trains against one process.
 ``FSDP(check_finite=True)``'s checks stay top-level ops beside what they read, labelled with their unit, in a dry
 run of the tests' MLP under the same executors (its own: the checks would sit between issues and waits, and the
-overlap asserted above counts what runs there).
+overlap asserted above counts what runs there); a unit's output is checked after its last op, a fusion region.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from thunder.extend import get_executor
 
 from fsdp_pass import MixedPrecision
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
-from fsdp_pass.ops.finite_checks import OUTPUT, checks_of
+from fsdp_pass.ops.finite_checks import OUTPUT, checks_of, flag_owners
 from fsdp_pass.predicates import (
     collective_kind,
     is_collective,
@@ -34,7 +34,7 @@ from fsdp_pass.predicates import (
 )
 from fsdp_pass.report.dry_run import dry_run
 from fsdp_pass.report.overlap import overlap_report
-from fsdp_pass.report.text import collective_label
+from fsdp_pass.text import collective_label
 from fsdp_pass_executors import comm_ex
 from tests import explain_cases, models, rank_cases, tolerances
 
@@ -132,7 +132,8 @@ def test_finite_checks_stay_labelled_beside_what_they_read_under_fusion():
         model = models.MODELS["mlp"]()
     run = dry_run(model, (models.batch("mlp", 4, 0)[0],), WORLD, "zero3", executors=executors, check_finite=True,
                  units="blocks")
-    checks = checks_of(run.fsdp.compiled_step.key)
+    key = run.fsdp.compiled_step.key
+    checks, owners = checks_of(key), flag_owners(key)
     seen, outputs_of_regions = [], 0
     for trace in (run.forward, run.backward):
         bsyms = trace.bound_symbols
@@ -141,17 +142,19 @@ def test_finite_checks_stay_labelled_beside_what_they_read_under_fusion():
         for i, b in enumerate(bsyms):
             if b.sym.name != "check_finite":
                 continue
-            tensors, _, slot = b.args
-            check, before = checks[slot], bsyms[i - 1]
-            seen.append(slot)
-            assert str(b.header).startswith(f"[fsdp] unit {check.unit!r} check finite (flag {slot}): "), b
-            assert [t.name for t in tensors] == [o.name for o in before.flat_proxy_outs]  # read where they are made
-            if check.what is OUTPUT:
+            tensors, _, slot, _ = b.args
+            check, before = checks[owners[slot][0]], bsyms[i - 1]
+            seen.append(owners[slot][0])
+            assert str(b.header).startswith(f"[fsdp] unit {check.unit!r} check finite (flag"), b
+            made = {o.name for o in before.flat_proxy_outs}
+            if check.what is OUTPUT:  # what the unit's last op (a fusion region) made and a later op reads
+                assert {t.name for t in tensors} <= made, b
                 outputs_of_regions += before.sym.is_fusion
             else:
+                assert [t.name for t in tensors] == [o.name for o in before.flat_proxy_outs]  # read where made
                 assert unit_of_op(before) == check.unit
-        assert [b.sym.name for b in bsyms if is_return(b) or is_finite_check(b)][-2:] == (
-            ["check_finite", "python_return"] if trace is run.forward else ["raise_if_nonfinite", "python_return"])
+        assert [b.sym.name for b in bsyms if is_return(b) or is_finite_check(b)][-2:] == [
+            "raise_if_nonfinite", "python_return"]  # the forward and the backward each decide at their end
     assert seen == list(range(len(checks))) and outputs_of_regions == 3  # each unit's output: a fusion region's
 
 

@@ -165,8 +165,8 @@ def test_hsdp_dry_run_is_fsdp_over_the_shard_group_plus_the_all_reduces():
 def test_the_step_model_prices_the_all_reduce_across_replicas():
     """The same two dry runs, priced by the auto planner's step model: the same shard group, plus one all-reduce
     of each reduced shard across the 2 replicas, on their own link."""
-    from fsdp_pass.plan.cost_model import DEFAULTS
-    from fsdp_pass.plan.candidate_costs import OPS_PER_COLLECTIVE
+    from fsdp_pass.cost.cost_model import DEFAULTS
+    from fsdp_pass.cost.candidate_costs import OPS_PER_COLLECTIVE
 
     hsdp, flat = model_dry_run(4, "zero3", mesh=(2, 2)), model_dry_run(2, "zero3")
     assert hsdp.explanation.plan.summary.replicas == 2 and flat.explanation.plan.summary.replicas == 1

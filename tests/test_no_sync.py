@@ -11,7 +11,7 @@ import torch
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass import FSDP, FSDPError, explain, fake_process_group, no_sync
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from tests import models, rank_cases
 
 TOL = 1e-5  # float32

@@ -6,7 +6,8 @@ across devices on this CPU-only machine with a dry run: it computes on the meta 
 on the CPU, op by op: only the copies read or write a CPU tensor. The executor's copies themselves run here
 from CPU tensors to the meta device (the one other device CPU-only torch has; nothing can be copied back from it).
 The parity run trains with both on the CPU and asserts where the shards, their gradients and the optimizer's
-state are; the CUDA run (pinned host shards, copies on the side stream) is tests/test_cuda.py's offloaded case.
+state are, and (as that alone holds with offload broken too) that its traces copy the shards to the compute device
+and back and that explain() counts them on the host; the CUDA run (pinned host shards, copies on the side stream) is tests/test_cuda.py's offloaded case.
 """
 
 import torch
@@ -108,3 +109,10 @@ def test_parity_offloaded_with_mixed_precision(ranks):
         # where the shards, the gradient shards and AdamW's state live
         where = (x["shard_devices"], x["grad_devices"], x["optimizer_state_devices"])
         assert where == (["cpu"], ["cpu"], ["cpu"]), (rank, where)
+        # the step computes on the CPU too, so where they live cannot fail here: the traces must still copy the
+        # shards to the compute device at each pack and the gradient shards back at each unpack, and explain()
+        # must count the shards, their gradients and the optimizer state on the host, none on the device
+        copies = x["copies"]
+        assert (copies["pack_to"], copies["unpack_to"]) == (["cpu"], ["cpu"]), (rank, copies)
+        before_step, host, offloaded = copies["memory"]
+        assert before_step == 0 and host == offloaded > 0, (rank, copies)

@@ -38,7 +38,7 @@ DEFAULT_UNIT_CASES = [(m, 2) for m in sorted(MODELS)] + [("odd_shapes", 4), ("gp
 def test_parity_default_units(ranks, model_name, strategy, world_size):
     results = ranks(world_size).run(rank_cases.parity, model_name, strategy)
     _check(results, world_size)
-    # units= left out: the step model chose them (plan.default_units), the same on every rank
+    # units= left out: the step model chose them (search.default_units), the same on every rank
     assert results[0]["units_choice"].startswith("units: chosen by the step model for cpu-gloo"), results[0]
     assert all(x["unit_names"] == results[0]["unit_names"] for x in results)
 

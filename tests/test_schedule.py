@@ -165,7 +165,7 @@ def test_backward_gathers_run_in_reverse_unit_order(compiled):
     backward = [r.unit for r in rows if r.phase == "backward" and r.kind == ALL_GATHER]
     assert forward == ["embed", "layers.0", "layers.1", "layers.2", "norm+lm_head"]
     # zero3: the embedding's backward needs no weights; the last unit is gathered again where it reshards (the step
-    # model's decision, plan.last_unit: the tests' Llama's caller's loss on its 2 x 8 x 37 logits holds less than the
+    # model's decision, search.last_unit: the tests' Llama's caller's loss on its 2 x 8 x 37 logits holds less than the
     # head's own backward, so it is kept)
     head = fsdp.compiled_step.plan.units[-1]
     assert backward == ["norm+lm_head"] * head.reshard_after_forward + ["layers.2", "layers.1", "layers.0"]

@@ -4,8 +4,8 @@ counted elsewhere."""
 
 from __future__ import annotations
 
-from fsdp_pass.plan.candidate_costs import Candidate, UnitCost
-from fsdp_pass.plan.step_model import peak_of
+from fsdp_pass.cost.candidate_costs import Candidate, UnitCost
+from fsdp_pass.cost.step_model import peak_of
 
 
 def _unit(gathered, grads, acts, shard=0):
@@ -90,9 +90,9 @@ def test_a_units_backward_holds_the_gradient_it_receives_and_one_it_makes():
     buffer once the next norm's reduction has summed them) and the one an op makes from it (its largest result).
     The zoo Llama's layer 7 (d 512, CPU, world 2, head resharded): 1 + 2.7 MiB in the traces, where three of the
     MLP's hidden results (8.1 MiB) were counted."""
-    from fsdp_pass.plan.candidate_costs import unit_costs
-    from fsdp_pass.plan.cost_model import DEFAULTS
-    from fsdp_pass.plan.step_summary import Piece, StepSummary
+    from fsdp_pass.cost.candidate_costs import unit_costs
+    from fsdp_pass.cost.cost_model import DEFAULTS
+    from fsdp_pass.cost.step_summary import Piece, StepSummary
 
     def piece(name, largest, passed_on=()):
         return Piece(name, (name,), name, 10, 10, 5, 1.0, 50, largest_result_bytes=largest, passed_on=passed_on)
@@ -188,7 +188,7 @@ def test_an_op_that_keeps_its_own_output_is_charged_it_once():
     from torch import nn
 
     from fsdp_pass.functional import functional_trace
-    from fsdp_pass.plan.saved_tensors import saved_by_op
+    from fsdp_pass.cost.saved_tensors import saved_by_op
 
     _, trace = functional_trace(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.randn(2, 4))
     (tanh,) = [b for b in trace.bound_symbols if b.sym.name == "tanh"]

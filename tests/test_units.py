@@ -14,7 +14,7 @@ from torch import nn
 from fsdp_pass import FSDP, BySize, FSDPError, Groups, fake_process_group
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER
 from fsdp_pass.report.step_stats import floor_bytes, step_stats
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 from tests import llama_steps, models
 from tests.llama_steps import LAYERS, WORLD, functional_plan, functional_step, shared_functional_trace
 from tests.trace_facts import every_collective_waited_once, gathers, input_numels, reduce_scatters
@@ -73,8 +73,8 @@ def test_collective_counts_follow_the_unit_formula(compiled):
     assert counts["zero3_all"] == (units, units - 1, units)
     assert counts["zero3_kept"] == (units, units - 2, units)
     # by default the last unit as the step model decides it (test_zero3_reshards_the_last_unit_only_where_...)
-    from fsdp_pass.plan.candidate_costs import Candidate
-    from fsdp_pass.plan.last_unit import last_unit, starts_of
+    from fsdp_pass.cost.candidate_costs import Candidate
+    from fsdp_pass.search.last_unit import last_unit, starts_of
 
     plan = compiled["zero3"][2]  # the default schedule: prefetch 1
     reshards = last_unit(plan.summary, Candidate(starts_of(plan.summary, [u.params for u in plan.units]), ())).reshards
@@ -206,8 +206,8 @@ def test_zero3_reshards_the_last_unit_only_where_the_step_model_predicts_a_lower
     trace), so both choices hold the same bytes and the head stays. The plan's note says which, with both
     predictions. Plans only (stages 1-3 on a functional trace)."""
     from fsdp_pass.functional import functional_trace, shard_functional_trace
-    from fsdp_pass.plan.last_unit import last_unit
-    from fsdp_pass.plan.price_plan import candidate_of
+    from fsdp_pass.search.last_unit import last_unit
+    from fsdp_pass.cost.price_plan import candidate_of
     from fsdp_pass.predicates import is_all_gather, is_pack_shards
 
     torch.manual_seed(0)

@@ -15,9 +15,12 @@ methods) for the collector's ``set``, ``get`` and ``reset``, so the interpreter 
 1. ``set`` of an empty collector (no output asked for: a training step) does nothing, ``get`` returns None and
    ``reset`` does nothing: the hooks, where installed, find no collector, as they do in eager when nothing is
    recorded. The traces are those of transformers 4's step.
-2. ``set`` of a collector that asks for outputs (``output_hidden_states`` or ``output_attentions``, in the call or
-   the config) raises :class:`~fsdp_pass.errors.FSDPError`: the recorded tensors would reach the model's output
-   only through that global, which Thunder does not follow (they fail its prologue's checks).
+2. ``set`` of a collector that asks for outputs (``output_hidden_states``, ``output_attentions``, a mixture of
+   experts' ``output_router_logits``, in the call or the config) raises :class:`~fsdp_pass.errors.FSDPError`
+   naming the flags to turn off. Keeping the collector out of the interpreter's sight is not enough: the hooks
+   do record into it, but the wrapper then stores the tuples with ``ModelOutput.__setitem__``, whose
+   ``object.__setattr__`` Thunder 0.2.6's interpreter does not see, so ``outputs.router_logits`` reads None in
+   the trace and a model's load-balancing loss would silently drop out of its loss.
 
 ``FSDP`` applies it to every module it is given (``FSDP.transform_module``, through
 :func:`~fsdp_pass.models.hf_tracing.trace_hf_models` with the causal-mask lookasides); a plain ``thunder.jit`` takes
@@ -28,6 +31,7 @@ transformers imported it adds nothing: those models keep their outputs in Python
 from __future__ import annotations
 
 import sys
+import warnings
 from types import ModuleType
 
 from fsdp_pass.errors import fail
@@ -38,22 +42,40 @@ CONTEXT_VAR_CLASS = "CompileableContextVar"
 
 def capture_lookasides(capturing: ModuleType | None = None) -> dict:
     """``{method: replacement}`` for the ``set``, ``get`` and ``reset`` of ``capturing.CompileableContextVar``;
-    ``capturing`` is transformers' ``output_capturing`` module where it is imported, and without one ``{}``."""
+    ``capturing`` is transformers' ``output_capturing`` module where it is imported, and without one ``{}``. A
+    module without that class and its three methods (transformers renamed them) gets none, with a warning that
+    names what is missing."""
     capturing = capturing if capturing is not None else sys.modules.get(CAPTURE_MODULE)
-    context_var = getattr(capturing, CONTEXT_VAR_CLASS, None)
-    if context_var is None:
+    if capturing is None:
         return {}
-    return {context_var.set: _set, context_var.get: _get, context_var.reset: _reset}
+    context_var = getattr(capturing, CONTEXT_VAR_CLASS, None)
+    methods = {name: getattr(context_var, name, None) for name in ("set", "get", "reset")}
+    if not all(callable(m) for m in methods.values()):
+        missing = [f"{CONTEXT_VAR_CLASS}.{name}" for name, m in methods.items() if not callable(m)]
+        version = getattr(sys.modules.get("transformers"), "__version__", "(version unknown)")
+        warnings.warn(
+            f"fsdp_pass: transformers {version}'s {CAPTURE_MODULE} has no {', '.join(missing)} (renamed or "
+            "removed?), so thunder.jit runs its models without fsdp_pass's lookasides "
+            "(fsdp_pass/models/hf_output_capture.py): a model whose forward is wrapped in @capture_outputs may "
+            "fail to trace. Install the transformers of fsdp_pass's constraints.txt, or report the new name.",
+            stacklevel=2,
+        )
+        return {}
+    return {methods["set"]: _set, methods["get"]: _get, methods["reset"]: _reset}
 
 
 def _set(context_var, collector):
-    if collector:
-        asked = ", ".join(key for key in collector if not key.startswith("_"))
+    asked = [key for key in collector or () if not key.startswith("_")]
+    if asked:
+        flags = ", ".join(f"output_{key}" for key in asked)
+        router = (" (the loss then has no load-balancing term: transformers adds router_aux_loss_coef times a "
+                  "loss of the router logits only where they are returned)" if "router_logits" in asked else "")
         fail(
-            f"The model is asked to return its {asked}, which transformers 5 records with forward hooks "
-            "(@capture_outputs) that thunder.jit cannot trace: they hand the tensors back through a module global.",
-            "Leave output_hidden_states and output_attentions False (in the model's config and in the call) for "
-            "the jitted model, or run it with transformers<5 (4.52 is tested).",
+            f"The model is asked to return its {', '.join(asked)}, which transformers 5 records with forward hooks "
+            "(@capture_outputs) that thunder.jit cannot trace: they hand the tensors back through a module global, "
+            "and Thunder 0.2.6 does not see the output attributes they are stored in.",
+            f"Pass {', '.join(f + '=False' for f in flags.split(', '))} to the jitted model (in the call and in "
+            f"its config){router}, or run that model without thunder.jit.",
         )
     return None
 

@@ -9,7 +9,7 @@
 - ``unpack_gathered(gathered, unit, full_shapes, world_size)``: the rank-major gathered buffer (all of rank
   0's part of every parameter, then rank 1's, ...) cut into the full parameters, padding rows dropped; one
   copy-out per unit (a view of the buffer for a one-parameter unit).
-- ``view_shards(shards, unit, full_shapes)``: a gather over one rank (:func:`~fsdp_pass.ops.unshard.gathers_nothing`):
+- ``view_shards(shards, unit, full_shapes)``: a gather over one rank (:func:`~fsdp_pass.plan.gather_rules.gathers_nothing`):
   each shard reshaped to its parameter's shape, a view; nothing packed, gathered or copied. One op per unit, so
   the unit is named in the trace where its gather would be, and the finite checks have their anchor.
 - ``pack_grads(grads, unit, full_shapes, world_size, dtype, divide_first)``: full gradients laid out rank-major
@@ -38,6 +38,7 @@ from thunder.core import devices, prims
 from thunder.core.proxies import TensorProxy
 
 from fsdp_pass.op_names import PACK_GRADS, PACK_SHARDS, UNPACK_GATHERED, UNPACK_GRAD_SHARD, VIEW_SHARDS
+from fsdp_pass.plan.gather_rules import unpack_is_view
 from fsdp_pass.plan.layout import ShardLayout
 from fsdp_pass.predicates import (
     collective_group,
@@ -49,6 +50,13 @@ from fsdp_pass.predicates import (
     is_unpack_grad_shard,
     is_view_shards,
 )
+
+
+# the attribute of a flat buffer that a stream other than the compute stream fills (an offloaded unit's shards are
+# copied to the device on the communication stream, where its all-gather follows): that stream. An op that reads the
+# buffer before the collective's wait orders itself after that stream's work: the finite check of the packed shard
+# runs on it (fsdp_pass.ops.finite_checks). Set by the executor's pack op (fsdp_pass_executors.buffers).
+WRITTEN_ON = "fsdp_written_on"
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,15 @@ def gathers_in_place(bsym) -> bool:
     return group is not None and not _pack_is_view_op(shards, dtype, device)
 
 
+def pack_copies_to_device(bsym) -> str | None:
+    """The device pack op ``bsym`` copies the shards to (offloaded shards: the compute device), or None where it
+    reads them where they live. On CUDA the executor runs that copy on the communication stream
+    (:data:`WRITTEN_ON`)."""
+    shards, _, _, device, _ = bsym.args
+    moved = _device(device)
+    return None if moved in (None, shards[0].device) else moved.device_str()
+
+
 def _pack_is_view_op(shards, dtype, device) -> bool:
     cast, moved = dtype not in (None, shards[0].dtype), _device(device) not in (None, shards[0].device)
     return pack_is_view(len(shards), cast=cast, moved=moved)
@@ -139,15 +156,6 @@ def collective_returns_input(bsym) -> bool:
     packed gradients (nothing to gather, sum or move). The executor's code follows this rule and the memory model
     counts by it."""
     return (is_all_gather(bsym) or is_reduce_scatter(bsym)) and collective_group(bsym).size() == 1
-
-
-def unpack_is_view(count: int) -> bool:
-    """Whether unpacking a gathered buffer returns views of it and copies nothing: one parameter (its padding
-    rows dropped as a view of a prefix). Several parameters are copied out, at world size 1 too, where views
-    would need no copy: the forward may keep one of them for the backward (a norm's weight, broadcast), and a
-    view keeps the whole buffer alive, so a unit resharded after forward would stay gathered until its
-    backward."""
-    return count == 1
 
 
 def allocated_bytes(bsym, out) -> int:

@@ -7,8 +7,9 @@ those of :mod:`fsdp_pass.ops.flat_buffers`, which no fusion executor absorbs):
      into this rank's slice of the gathered buffer it allocates whole;
   2. ``all_gather`` of that buffer (async; in place around the packed slice) and its ``wait``;
   3. ``unpack_gathered``: each parameter cut out of the rank-major gathered buffer, padding rows dropped.
-  Over one rank (:func:`gathers_nothing`) steps 1-3 are one ``view_shards``: the parameters are views of the shards.
-  Quantized (``gather_dtype``): the packed shard is quantized before the all-gather and dequantized after it
+  Over one rank (:func:`~fsdp_pass.plan.gather_rules.gathers_nothing`) steps 1-3 are one ``view_shards``: the parameters are views of the shards.
+  Quantized (``gather_dtype``): step 1 is ``quantize_shard``, the shards quantized straight into this rank's slice
+  of the gathered buffer (no packed copy), and the gathered codes are dequantized before step 3
   (:mod:`fsdp_pass.ops.quantized_gather`); the gradient rule below is the same, so the gradients of the
   dequantized parameters reach the shards unchanged (straight-through).
 
@@ -44,6 +45,7 @@ from fsdp_pass.op_names import UNSHARD_UNIT
 from fsdp_pass.ops.flat_buffers import pack_grads, pack_shards, unpack_grad_shard, unpack_gathered, view_shards
 from fsdp_pass.ops.grad_accumulation import ACCUMULATE, accumulate_unsharded_grads, add_accumulated_grads
 from fsdp_pass.ops.quantized_gather import gather_quantized
+from fsdp_pass.plan.gather_rules import gathers_nothing
 
 
 def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_device=None, gather_dtype=None,
@@ -59,16 +61,6 @@ def _gather(shards, group, unit_name, full_shapes, param_dtype=None, compute_dev
     flat = pack_shards(shards, unit_name, cast, compute_device, group)
     gathered = dist_prims.wait(dist_prims.all_gather(flat, group, True, None))
     return unpack_gathered(gathered, unit_name, tuple(tuple(s) for s in full_shapes), group.size())
-
-
-def gathers_nothing(world_size: int, cast: bool, moved: bool) -> bool:
-    """Whether a unit's gather is its shards themselves: over a group of one rank, where a shard is the whole
-    parameter (no padding rows), not cast (mixed precision) nor copied to another device (offload) nor quantized.
-    The unit's parameters are then views of its shards (a reshape: a 0-d parameter's shard has one row), with no
-    packing, collective or copy-out, so a unit kept gathered for the backward holds no bytes more than one
-    resharded, and the backward's gather of a resharded unit is those views again. The memory model
-    (:mod:`fsdp_pass.plan.candidate_costs`) counts by this rule."""
-    return world_size == 1 and not (cast or moved)
 
 
 def unshard_unit_meta(

@@ -28,7 +28,7 @@ from thunder.core.trace import TraceProvenance, from_trace, tracectx
 
 from fsdp_pass.ops.grad_accumulation import REDUCE
 from fsdp_pass.ops.unshard import unshard_unit
-from fsdp_pass.passes.proxies import with_shape
+from fsdp_pass.shard.proxies import with_shape
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, thunder_dtype
 from fsdp_pass.plan.units import UnitPlan
 from fsdp_pass.predicates import is_return, is_unpack_trivial

@@ -39,7 +39,7 @@ from fsdp_pass.predicates import (
     unit_of_op,
 )
 from fsdp_pass.plan.quantized_layout import quantized_layout
-from fsdp_pass.report.text import collective_label, human_bytes
+from fsdp_pass.text import collective_label, human_bytes
 
 
 def _label(plan: UnitPlan, unit, kind: CollectiveKind, bsym, hsdp: bool) -> str:
@@ -87,16 +87,21 @@ def _view_shards(args, unit, world_size) -> list[str]:
 
 
 def _quantize_shard(args, unit, world_size) -> list[str]:
-    flat, _, shapes, world, qdtype, block = args
+    shards, _, shapes, world, qdtype, block, device, _ = args
     q = quantized_layout(shapes, world, block)
-    packed = human_bytes(q.rank_numel * flat.dtype.bytes)
+    read = human_bytes(sum(s.numel * s.dtype.bytes for s in shards))
     aligned = " + alignment" if q.rank_bytes > q.rank_numel + q.scale_bytes else ""
-    return [
-        f"quantize the packed shard ({q.rank_numel:,} {_dtype(flat.dtype)} elements, {packed}) to {_dtype(qdtype)} "
-        f"codes with a float32 scale per {block} elements: {human_bytes(q.rank_bytes)}/rank sent ({q.rank_numel:,} B "
-        f"of codes + {q.scale_bytes:,} B of {q.n_blocks:,} scales{aligned}, {q.rank_bytes / q.rank_numel:.3f} B an "
-        "element)"
+    parts = [
+        f"quantize this rank's {len(shards)} shard(s) ({q.rank_numel:,} {_dtype(shards[0].dtype)} elements, {read}) "
+        f"to {_dtype(qdtype)} codes with a float32 scale per {block} elements, into its slice of the gathered buffer "
+        f"({world} x {human_bytes(q.rank_bytes)}, allocated here; the all-gather fills it in place): "
+        f"{human_bytes(q.rank_bytes)}/rank sent ({q.rank_numel:,} B of codes + {q.scale_bytes:,} B of {q.n_blocks:,} "
+        f"scales{aligned}, {q.rank_bytes / q.rank_numel:.3f} B an element)"
     ]
+    if device is not None:
+        parts.append(f"the shards copied from {_device(shards[0].device)} to {_device(device)} a chunk at a time, "
+                     f"in {_dtype(shards[0].dtype)}")
+    return parts
 
 
 def _dequantize_gathered(args, unit, world_size) -> list[str]:
@@ -105,7 +110,7 @@ def _dequantize_gathered(args, unit, world_size) -> list[str]:
     return [
         f"dequantize the gathered {_dtype(qdtype)} codes ({world} ranks x {human_bytes(q.rank_bytes)}, scales "
         f"included) into {_dtype(dtype)}: each code times its block's scale, {world * q.rank_numel:,} elements "
-        f"({human_bytes(world * q.rank_numel * dtype.bytes)})"
+        f"({human_bytes(world * q.rank_numel * dtype.bytes)} held from here, the codes freed after it)"
     ]
 
 

@@ -121,18 +121,7 @@ def schedule_collectives(
     key = [(float(i), 0) for i in range(len(bsyms))]  # (position, order among ops placed at one position)
 
     # 2. waits (and the ops cutting up their result) right before the first other use of it
-    wait_group = {}  # collective index -> its wait and the ops cutting up the wait's result
-    use_order = {}  # collective index -> (first use, argument position there): the order of use
-    for c, b in enumerate(bsyms):
-        if is_collective(b):
-            (w,) = [j for j in consumers.get(b.output.name, []) if is_wait(bsyms[j])]
-            group, readers, made = unpacking_group(w, bsyms, consumers)
-            first_use = min(readers, default=ret)
-            for j in group:
-                key[j] = (first_use - 0.5, 0)
-            wait_group[c] = group
-            args = [p.name for p in bsyms[first_use].flat_proxy_args]
-            use_order[c] = (first_use, min((i for i, n in enumerate(args) if n in made), default=0))
+    wait_group, use_order = _place_waits(bsyms, consumers, key, ret)
     _wait_chained_before_next_reduction(bsyms, wait_group, producer, key)
 
     # 3. gathers, in order of use (a weight before the bias the same op reads), after the wait
@@ -167,6 +156,24 @@ def schedule_collectives(
     new = del_last_used(new, clear_mutable_collections=had_clears)
     new.set_provenance(TraceProvenance(f"fsdp_pass: schedule collectives ({schedule})"))
     return new
+
+
+def _place_waits(bsyms, consumers, key, ret: int):
+    """Moves each collective's wait (and the ops cutting up its result) right before the first other use of it, in
+    ``key``. Returns collective index -> its wait and the ops cutting up the wait's result, and collective index ->
+    (first use, argument position there): the order of use."""
+    wait_group, use_order = {}, {}
+    for c, b in enumerate(bsyms):
+        if is_collective(b):
+            (w,) = [j for j in consumers.get(b.output.name, []) if is_wait(bsyms[j])]
+            group, readers, made = unpacking_group(w, bsyms, consumers)
+            first_use = min(readers, default=ret)
+            for j in group:
+                key[j] = (first_use - 0.5, 0)
+            wait_group[c] = group
+            args = [p.name for p in bsyms[first_use].flat_proxy_args]
+            use_order[c] = (first_use, min((i for i, n in enumerate(args) if n in made), default=0))
+    return wait_group, use_order
 
 
 def _first_reader_or_end(bsyms, names, end: int) -> int:

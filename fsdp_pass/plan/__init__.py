@@ -1,23 +1,16 @@
-"""Stage 1, plan: decide before rewriting anything. Frozen records, printable, built without a process group.
+"""Stage 1, plan: what the user asks and what a plan is. Frozen records, printable, built without a process group.
 
-- :mod:`~fsdp_pass.plan.layout`, :mod:`~fsdp_pass.plan.sharding`: how each parameter is cut on dim 0 at a
-  world size (takes the module's parameter shapes, gives a :class:`ShardingPlan`);
-- :mod:`~fsdp_pass.plan.module_tree`, :mod:`~fsdp_pass.plan.unit_policies`,
-  :mod:`~fsdp_pass.plan.plan_units`, :mod:`~fsdp_pass.plan.units`: which parameters travel together (takes the
-  module tree and the functional forward trace, gives a :class:`UnitPlan`);
-- :mod:`~fsdp_pass.plan.trace_arguments`: which trace arguments are which parameters;
-- :mod:`~fsdp_pass.plan.schedule`, :mod:`~fsdp_pass.plan.mixed_precision`: the user's settings for when
-  collectives run and in which dtypes;
-- :mod:`~fsdp_pass.plan.cost_model`: what a collective costs (latency and bandwidth, fitted to what
-  :mod:`fsdp_pass.plan.probe` measures) and the device's compute rate;
-- ``FSDP("auto")``: :mod:`~fsdp_pass.plan.step_summary` (the trace cut into pieces: bytes, FLOPs,
-  activations, tallied op by op by :mod:`~fsdp_pass.plan.op_tally`), :mod:`~fsdp_pass.plan.step_model` (a
-  candidate plan's predicted step time and peak, from its units' own costs in
-  :mod:`~fsdp_pass.plan.candidate_costs`),
-  :mod:`~fsdp_pass.plan.auto_plan` (the search, and a reason per decision: the units by
-  :mod:`~fsdp_pass.plan.unit_search`, which the default units of :mod:`~fsdp_pass.plan.default_units` use too,
-  the rest by :mod:`~fsdp_pass.plan.per_unit_decisions`, worded by :mod:`~fsdp_pass.plan.auto_plan_text`),
-  :mod:`~fsdp_pass.plan.auto_options` (the plan as the options the other stages read);
-  :mod:`~fsdp_pass.plan.price_plan` (the step model on any compiled plan, hand-written ones too:
-  ``fsdp_pass.predict_step``).
+- :mod:`~fsdp_pass.plan.options`, :mod:`~fsdp_pass.plan.schedule`, :mod:`~fsdp_pass.plan.mixed_precision`,
+  :mod:`~fsdp_pass.plan.checkpointing`, :mod:`~fsdp_pass.plan.optimizers`: the user's settings, frozen (when
+  collectives run, in which dtypes, which units recompute, which optimizer's state a step holds);
+- :mod:`~fsdp_pass.plan.layout`, :mod:`~fsdp_pass.plan.sharding`, :mod:`~fsdp_pass.plan.quantized_layout`: how
+  each parameter is cut on dim 0 at a world size (takes the module's parameter shapes, gives a
+  :class:`ShardingPlan`);
+- :mod:`~fsdp_pass.plan.module_tree`, :mod:`~fsdp_pass.plan.unit_policies`, :mod:`~fsdp_pass.plan.plan_units`,
+  :mod:`~fsdp_pass.plan.units`: which parameters travel together (takes the module tree and the functional
+  forward trace, gives a :class:`UnitPlan`);
+- :mod:`~fsdp_pass.plan.trace_arguments`, :mod:`~fsdp_pass.plan.computed_after`: which trace arguments are which
+  parameters, and which values the trace computes after each one.
+
+What a plan costs is the next stage, :mod:`fsdp_pass.cost`; how one is chosen, the one after, :mod:`fsdp_pass.search`.
 """

@@ -13,13 +13,12 @@ from typing import Callable
 
 from fsdp_pass.errors import check
 from fsdp_pass.plan.checkpointing import FULL, LEVELS, NONE, checkpoint_level
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
-from fsdp_pass.plan.default_units import StepModelUnits
+from fsdp_pass.cost.cost_model import DEFAULTS, CostInputs
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer, resolve_optimizer
 from fsdp_pass.plan.mixed_precision import FULL_PRECISION, MixedPrecision, resolve_mixed_precision
 from fsdp_pass.plan.schedule import DEFAULT_SCHEDULE, Schedule, resolve_schedule
 from fsdp_pass.plan.sharding import Strategy, parse_strategy
-from fsdp_pass.plan.unit_policies import Blocks, resolve_policy
+from fsdp_pass.plan.unit_policies import Blocks, StepModelUnits, resolve_policy
 from fsdp_pass.plan.units import Unit
 
 
@@ -41,7 +40,7 @@ class _Every:
 
 def constant_checkpoint_level(predicate) -> str | None:
     """The level ``checkpoint_activations`` gives every unit (``"none"`` included), None for a user's function of
-    the unit (what the default units' step model cannot price: :mod:`fsdp_pass.plan.default_units`)."""
+    the unit (what the default units' step model cannot price: :mod:`fsdp_pass.search.default_units`)."""
     if predicate is _never:
         return NONE
     if predicate is _always:
@@ -91,7 +90,7 @@ def resolve_timeout(timeout) -> datetime.timedelta:
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """``FSDP("auto", memory_budget=..., cost=..., optimizer=...)``: what the auto planner (:mod:`fsdp_pass.plan.auto_plan`)
+    """``FSDP("auto", memory_budget=..., cost=..., optimizer=...)``: what the auto planner (:mod:`fsdp_pass.search.auto_plan`)
     plans with. ``cost`` None: the defaults of the device the step computes on."""
 
     memory_budget: int | None = None  # bytes per rank; None: the device's memory (no bound on the CPU)
@@ -121,10 +120,10 @@ def resolve_cost(cost) -> CostInputs | None:
         return cost
     if isinstance(cost, str):
         check(cost in DEFAULTS, f"Unknown cost inputs {cost!r}.",
-              f"Pass one of {sorted(DEFAULTS)}, or fsdp_pass.plan.probe.probe(...).cost measured on your ranks.")
+              f"Pass one of {sorted(DEFAULTS)}, or fsdp_pass.cost.probe.probe(...).cost measured on your ranks.")
         return DEFAULTS[cost]
     check(isinstance(getattr(cost, "cost", None), CostInputs), f"Cannot read {cost!r} as cost inputs.",
-          f"Pass one of {sorted(DEFAULTS)}, a CostInputs, or what fsdp_pass.plan.probe.probe(...) returns.")
+          f"Pass one of {sorted(DEFAULTS)}, a CostInputs, or what fsdp_pass.cost.probe.probe(...) returns.")
     return cost.cost
 
 

@@ -5,10 +5,11 @@
 3. Split a group that mixes dtypes into one unit per dtype (one flat buffer needs one dtype).
 4. Decide per unit whether it reshards after forward: ZeRO-2 never; ZeRO-3 every unit, and the last one the
    forward gathers too only where the step model predicts a lower step peak for resharding it than for keeping
-   it gathered into the backward (:mod:`~fsdp_pass.plan.last_unit`; a tie keeps it: a gather saved), priced on the
-   step's summary (``summary``). Where the model cannot price the units (no summary, a unit that splits a piece, a
-   schedule it does not follow) a byte rule decides (:func:`keeps_last_unit`): the last unit reshards where what
-   the forward computes after its last use (:func:`compute_after`) outgrows it. ``reshard_after_forward``
+   it gathered into the backward (:mod:`~fsdp_pass.search.last_unit`; a tie keeps it: a gather saved), priced on the
+   step summary every rank plans from (``summary``: :mod:`~fsdp_pass.search.planned_from`). Where the model cannot
+   price the units (no summary, a unit that splits a piece, a schedule it does not follow) a byte rule decides
+   (:func:`keeps_last_unit`): the last unit reshards where what the forward computes after its last use (the
+   summary's :func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`) outgrows it. ``reshard_after_forward``
    overrides both.
 5. Order units by first use; that is the order of their all-gathers.
 6. Mark the units whose activations are checkpointed, and at which level (``checkpoint_activations``, asked per
@@ -21,17 +22,17 @@ from dataclasses import replace
 
 from fsdp_pass.errors import check
 from fsdp_pass.plan.checkpointing import checkpoint_level
+from fsdp_pass.plan.computed_after import compute_after
 from fsdp_pass.plan.module_tree import ModuleTree
 from fsdp_pass.plan.options import FSDPOptions
 from fsdp_pass.plan.sharding import ShardingPlan, Strategy
-from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.last_unit import last_unit, starts_of
-from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.cost.candidate_costs import Candidate
+from fsdp_pass.search.last_unit import last_unit, starts_of
+from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.plan.trace_arguments import first_and_last_use
 from fsdp_pass.plan.unit_policies import PolicyInput
 from fsdp_pass.plan.units import Unit, UnitPlan
-from fsdp_pass.predicates import is_bookkeeping, is_float_tensor, is_torch_view, is_view_like
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 _DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
@@ -56,35 +57,10 @@ def _split_by_dtype(groups, sharding: ShardingPlan, notes: list[str]):
     return out
 
 
-def _is_view(bsym) -> bool:
-    return is_view_like(bsym) or is_torch_view(bsym)
-
-
-def _result_bytes(bsym) -> int:
-    """The bytes of the floating-point tensors ``bsym`` computes, counted over its decomposition's ops (a
-    ``cross_entropy``'s log-probabilities and what it takes of them), views left out."""
-    if bsym.subsymbols:
-        return sum(_result_bytes(s) for s in bsym.subsymbols)
-    if is_bookkeeping(bsym) or _is_view(bsym):
-        return 0
-    return sum(o.numel * o.dtype.bytes for o in bsym.flat_proxy_outs if is_float_tensor(o))
-
-
-def compute_after(computation, index: int) -> tuple[list[str], int]:
-    """The ops of ``computation`` after op ``index`` that compute a floating-point tensor (not a view, a re-layout, a
-    shape query, an integer result or bookkeeping), by name in trace order, and the bytes of what they compute:
-    what the backward differentiates before it reaches op ``index``, and about what its gradients take."""
-    ops = [
-        b for b in computation.bound_symbols[index + 1:]
-        if not (is_bookkeeping(b) or _is_view(b)) and any(is_float_tensor(o) for o in b.flat_proxy_outs)
-    ]
-    return [b.sym.name for b in ops], sum(_result_bytes(b) for b in ops)
-
-
 def keeps_last_unit(after_bytes: int, unit_bytes: int) -> bool:
     """ZeRO-3's rule for the last unit the forward gathers where the step model cannot price the units
-    (``reshard_after_forward=None``; else :mod:`~fsdp_pass.plan.last_unit` decides): keep it gathered into
-    the backward unless what the forward computes after its last use (``after_bytes``, :func:`compute_after`: a
+    (``reshard_after_forward=None``; else :mod:`~fsdp_pass.search.last_unit` decides): keep it gathered into
+    the backward unless what the forward computes after its last use (``after_bytes``, :func:`~fsdp_pass.plan.computed_after.compute_after`: a
     loss computed inside the model; and a loss the caller computes on the outputs, :func:`caller_loss_bytes`)
     outgrows the unit (``unit_bytes``, gathered). The backward starts with those
     ops' gradients, about as large as their results; where they are larger than the unit, the step peaks there
@@ -123,11 +99,15 @@ def _priced_template(units: list[Unit], options: FSDPOptions, levels: list[str],
                      tuple(levels) if any(lv != "none" for lv in levels) else ())
 
 
-def _last_unit_by_bytes(units, sharding, options, computation, loss_bytes, notes) -> bool:
+def _last_unit_by_bytes(units, sharding, options, computation, summary, notes) -> bool:
     """The rule where the step model cannot price the units (:func:`keeps_last_unit`): whether the last unit
-    reshards, with its note."""
+    reshards, with its note. Its bytes are the ``summary``'s (the step every rank plans from) where it has one, the
+    op names this trace's."""
     last = units[-1]
     after, after_bytes = compute_after(computation, last.last_use)
+    planned = summary.bytes_after(last.params) if summary is not None else None
+    after_bytes = after_bytes if planned is None else planned
+    loss_bytes = summary.loss_bytes if summary is not None else 0
     gathered_dtype = getattr(options.mixed_precision, "param_dtype", None)  # as the step summary counts it
     unit_bytes = sum(sharding.param(p).nbytes(gathered_dtype) for p in last.params)
     keep_last = keeps_last_unit(after_bytes + loss_bytes, unit_bytes)
@@ -160,8 +140,7 @@ def _reshard(units: list[Unit], sharding: ShardingPlan, options: FSDPOptions, no
                        else "stays gathered after forward")
             notes.append(f"unit {units[-1].name!r} {verdict}: {decided.why()}")
         elif zero3:
-            loss_bytes = summary.loss_bytes if summary is not None else 0
-            last_reshards = _last_unit_by_bytes(units, sharding, options, computation, loss_bytes, notes)
+            last_reshards = _last_unit_by_bytes(units, sharding, options, computation, summary, notes)
         flags = [zero3 and (i < len(units) - 1 or last_reshards) for i in range(len(units))]
     elif isinstance(override, bool):
         flags = [override] * len(units)
@@ -197,9 +176,10 @@ def plan_units(
 
     ``param_of_arg``: the trace's parameter arguments (:func:`~fsdp_pass.plan.trace_arguments.parameter_names_of_args`);
     ``tree``: the module tree the policy reads (without it every parameter hangs off the root); ``summary``: the
-    step's summary (:mod:`~fsdp_pass.plan.step_summary`), from which the step model decides ZeRO-3's last unit
-    (without it, or where the model cannot price the units, the byte rule :func:`keeps_last_unit` does, with the
-    caller's loss taken as none).
+    step summary the plan is decided from (:mod:`~fsdp_pass.cost.step_summary`; in the pipeline the one every rank
+    plans from, :mod:`~fsdp_pass.search.planned_from`, whatever this trace's shapes), from which the step model
+    decides ZeRO-3's last unit (where the model cannot price the units, the byte rule :func:`keeps_last_unit` does
+    from its bytes; without it, from this trace's, with the caller's loss taken as none).
     """
     policy = options.unit_policy
     inp, uses = policy_input(computation, param_of_arg, sharding, tree)

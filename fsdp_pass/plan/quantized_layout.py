@@ -20,6 +20,12 @@ Pure arithmetic on sizes (no tensors), shared by the ops that pack and unpack th
    elements (one byte each, in the packed shard's order), then zero bytes up to a multiple of 4 (so the
    next rank's scales are aligned too). The all-gather places every rank's part side by side: one collective
    per unit, scales included.
+4. The kernels (:mod:`fsdp_pass.ops.quantize`) work through a parameter a chunk of whole blocks at a time
+   (:func:`chunk_elements`: 2^16 elements on the CPU, 2^22 on a GPU, where each chunk costs a few kernel launches),
+   through one float32 scratch buffer per op: quantizing always (the codes are rounded from float32 values), and
+   dequantizing on the CPU only, into a compute dtype other than float32 (the CPU's mixed-dtype kernels would copy
+   whole operands to float32). :func:`quantize_scratch_bytes` and :func:`dequantize_scratch_numel` (float32
+   elements) are what the op holds beside its output while it runs: the memory model counts them.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
 DEFAULT_BLOCK = 128
+# elements of a chunk the kernels work through at a time (item 4), by device type (the meta device of a dry run
+# counts as the CPU)
+CHUNK_ELEMENTS = {"cuda": 1 << 22, "cpu": 1 << 16}
 
 
 def _blocks(numel: int, block: int) -> int:
@@ -82,3 +91,36 @@ def quantized_nbytes(layout: ShardLayout, block: int) -> int:
     """A whole parameter's bytes as the quantized gathers move it: every rank's elements (one byte each, the
     padding rows' too) and their scales (the 0 to 3 bytes of alignment per unit left out)."""
     return layout.world_size * (layout.shard_numel + SCALE_BYTES * _blocks(layout.shard_numel, block))
+
+
+def chunk_elements(block: int, device_type: str) -> int:
+    """Elements of the chunks a kernel works through on ``device_type`` (item 4): whole blocks, at least one."""
+    chunk = CHUNK_ELEMENTS["cuda" if device_type == "cuda" else "cpu"]
+    return max(1, chunk // block) * block
+
+
+def quantize_scratch(layout: QuantizedLayout, device_type: str) -> tuple[int, int]:
+    """(float32 elements, blocks) of the scratch quantizing one rank's shards takes on ``device_type``: a chunk of the
+    largest shard, at most, and two floats per block of it (each block's smallest and largest element)."""
+    numel = min(chunk_elements(layout.block, device_type), max(layout.shard_numels, default=0))
+    return numel, max(1, numel // layout.block)
+
+
+def quantize_scratch_bytes(layout: QuantizedLayout, device_type: str) -> int:
+    """Bytes quantizing holds beside its output while it runs (item 4): the float32 chunk, its blocks' bounds, and
+    one byte per block (which of them are all zeros)."""
+    numel, blocks = quantize_scratch(layout, device_type)
+    return 4 * numel + 9 * blocks
+
+
+def dequantize_chunk(layout: QuantizedLayout, world_size: int, device_type: str) -> int:
+    """Elements of one rank's part of a parameter that dequantizing takes at a time (every rank's at once)."""
+    return max(1, chunk_elements(layout.block, device_type) // (layout.block * world_size)) * layout.block
+
+
+def dequantize_scratch_numel(layout: QuantizedLayout, world_size: int, dtype: torch.dtype, device_type: str) -> int:
+    """Float32 elements of the scratch dequantizing into ``dtype`` takes on ``device_type`` (item 4): none on a GPU or
+    into float32, else a chunk of every rank's part of the largest parameter, at most."""
+    if device_type == "cuda" or dtype == torch.float32:
+        return 0
+    return world_size * min(dequantize_chunk(layout, world_size, device_type), max(layout.shard_numels, default=0))

@@ -188,6 +188,35 @@ class BySize:
 POLICIES = {"blocks": Blocks, "per_parameter": PerParameter}
 
 
+class StepModelUnits:
+    """``units=`` left out: the step model chooses the units at the first compile
+    (:mod:`fsdp_pass.search.default_units`), from these cost inputs and budget once settled
+    (:func:`~fsdp_pass.search.default_units.settled_units`). Without a step summary (the functional path), one unit
+    per block."""
+
+    name = "step_model"
+
+    def __init__(self, cost=None, budget: int | None = None, settled: bool = False):
+        self.cost, self.budget, self.is_settled = cost, budget, settled
+
+    def groups(self, inp: PolicyInput) -> list[Group]:
+        return Blocks().groups(inp)
+
+
+class ChosenUnits:
+    """The units the step model chose, as a unit policy: ``groups``, (unit name, parameter names) per unit in
+    forward order (a :class:`~fsdp_pass.search.default_units.UnitsChoice`'s)."""
+
+    name = "step_model"
+
+    def __init__(self, groups):
+        self.chosen = tuple(groups)
+
+    def groups(self, inp: PolicyInput) -> list[Group]:
+        used = [(n, tuple(p for p in ps if p in inp.first_use)) for n, ps in self.chosen]
+        return [(n, ps) for n, ps in used if ps]
+
+
 def resolve_policy(spec):
     """``"blocks"``, ``"per_parameter"``, a list of unit items, or a policy object -> a policy object."""
     if isinstance(spec, str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_pass.plan.sharding import ShardingPlan
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,13 @@ class UnitPlan:
     # the forward trace's arguments in order: (argument name, the parameter it is, or None)
     arguments: tuple[tuple[str | None, str | None], ...] = ()
     auto: object | None = None  # FSDP("auto"): the AutoPlan these units come from, with its reasons
-    # units= left out: the step model's choice of units, with its reasons (a plan.default_units.UnitsChoice)
+    # units= left out: the step model's choice of units, with its reasons (a search.default_units.UnitsChoice)
     units_choice: object | None = None
-    # the step model's view of the trace (a plan.step_summary.StepSummary): what plan.price_plan prices any plan from
+    # the step model's view of the trace (a cost.step_summary.StepSummary): what cost.price_plan prices any plan from
     summary: object | None = None
+    # the step summary every rank planned from, and whose first step it is (a search.planned_from.PlannedFrom): what
+    # the plan's decisions read, the same at every compile of the model
+    planned_from: object | None = None
     # the FSDPOptions stages 1-3 planned with, where no CompiledStep keeps them beside the plan (the functional path:
     # derive_backward_and_lower schedules with them, the auto plan's prefetch depths included)
     options: object | None = None

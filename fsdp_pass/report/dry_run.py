@@ -37,7 +37,7 @@ from fsdp_pass_executors import dry_run_choice
 from fsdp_pass.errors import check
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.report.explain import Explanation, explain_step
-from fsdp_pass.plan.cost_model import DEFAULTS
+from fsdp_pass.cost.cost_model import DEFAULTS
 from fsdp_pass.report.meta_attention import sdpa_on_meta_as_cuda
 from fsdp_pass.report.meta_autocast import autocast_on_meta_as
 from fsdp_pass.report.repeated_layers import traced_once_per_layer_stack
@@ -93,7 +93,7 @@ DEVICES = ("cuda", "cpu")
 
 def target_device(cost=None) -> str:
     """The device a dry run lowers for by default: ``"cuda"`` when the cost inputs (a name of
-    :data:`~fsdp_pass.plan.cost_model.DEFAULTS` or a ``CostInputs``) are a GPU's, i.e. their host queues work ahead
+    :data:`~fsdp_pass.cost.cost_model.DEFAULTS` or a ``CostInputs``) are a GPU's, i.e. their host queues work ahead
     of the device (CUDA streams); else ``"cpu"`` (also with no cost inputs)."""
     inputs = DEFAULTS.get(cost) if isinstance(cost, str) else cost
     return "cuda" if getattr(inputs, "host_async", False) else "cpu"
@@ -101,6 +101,26 @@ def target_device(cost=None) -> str:
 
 def _input_on_meta(value):
     return torch.empty_like(value, device="meta") if isinstance(value, torch.Tensor) else value
+
+
+def _check_dry_run_inputs(module: torch.nn.Module, world_size, mesh, device: str) -> None:
+    """``FSDPError`` unless the world size, mesh and device make a dry run and ``module`` is on the meta device."""
+    check(
+        isinstance(world_size, int) and world_size >= 1,
+        f"world_size must be a positive int, got {world_size!r}.",
+        "Pass the number of ranks to plan for, e.g. 64.",
+    )
+    check(
+        mesh is None or (len(mesh) == 2 and mesh[0] * mesh[1] == world_size),
+        f"mesh={mesh!r} is not (replicas, shard size) of {world_size} ranks.",
+        f"Pass two numbers whose product is the world size, e.g. mesh=(8, {max(world_size // 8, 1)}).",
+    )
+    check(
+        device in DEVICES,
+        f"A dry run lowers for {' or '.join(map(repr, DEVICES))}, not {device!r}.",
+        "Pass device='cuda' (fused attention, the fusion executor) or device='cpu' (the CPU's executors).",
+    )
+    _check_on_meta(module)
 
 
 def dry_run(
@@ -127,23 +147,8 @@ def dry_run(
     in a fraction of the time: :mod:`fsdp_pass.report.repeated_layers`); ``fsdp_kwargs`` go to
     :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
     """
-    check(
-        isinstance(world_size, int) and world_size >= 1,
-        f"world_size must be a positive int, got {world_size!r}.",
-        "Pass the number of ranks to plan for, e.g. 64.",
-    )
-    check(
-        mesh is None or (len(mesh) == 2 and mesh[0] * mesh[1] == world_size),
-        f"mesh={mesh!r} is not (replicas, shard size) of {world_size} ranks.",
-        f"Pass two numbers whose product is the world size, e.g. mesh=(8, {max(world_size // 8, 1)}).",
-    )
     device = device if device is not None else target_device(fsdp_kwargs.get("cost"))
-    check(
-        device in DEVICES,
-        f"A dry run lowers for {' or '.join(map(repr, DEVICES))}, not {device!r}.",
-        "Pass device='cuda' (fused attention, the fusion executor) or device='cpu' (the CPU's executors).",
-    )
-    _check_on_meta(module)
+    _check_dry_run_inputs(module, world_size, mesh, device)
     args = tuple(map(_input_on_meta, args))
     kwargs = {name: _input_on_meta(value) for name, value in (kwargs or {}).items()}
     chosen, lowering = dry_run_choice(device)

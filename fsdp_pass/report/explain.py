@@ -51,7 +51,7 @@ from fsdp_pass.report.memory import (
 )
 from fsdp_pass.report.overlap import CollectiveOverlap, step_overlap
 from fsdp_pass.report.step_stats import StepStats, floor_bytes, step_stats
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "sgd-momentum": 1, "none": 0}
 
@@ -112,10 +112,12 @@ class Explanation:
     param_bytes: int  # all parameters, unsharded
     options: tuple[str, ...] = ()  # one line per option the user set (mixed precision, offload, checkpointing)
     no_sync: bool = False  # show what no_sync()'s accumulators hold (the compile was made under no_sync, or asked)
-    # all parameters as gathered and as reduced (mixed precision's param_dtype and reduce_dtype; None: param_bytes)
+    # all parameters as the gathers send them and as reduced (mixed precision's param_dtype, an 8-bit gather's codes
+    # and scales, and reduce_dtype; None: param_bytes)
     gathered_param_bytes: int | None = None
     reduced_param_bytes: int | None = None
     gather_dtype: object = None  # mixed precision's 8-bit gather dtype (torch.int8, torch.float8_e4m3fn), or None
+    held_param_bytes: int | None = None  # all parameters as held once gathered (dequantized: in the compute dtype)
 
     def with_no_sync(self) -> Explanation:
         """This explanation with a note of what :func:`fsdp_pass.no_sync`'s accumulators would hold per rank
@@ -229,6 +231,9 @@ class Explanation:
         # the plan's notes: ZeRO-3's last unit kept gathered into the backward or resharded, and why; units split
         # by dtype; parameters the forward never reads
         plan_notes = [f"note: {n}" for n in self.plan.notes]
+        # what the plan's decisions were made from: the step every rank agreed on at the first compile
+        if self.plan.planned_from is not None:
+            plan_notes.append(f"note: {self.plan.planned_from}")
         return [head, *(f"  {o}" for o in self.options), *format_table(cols, rows), *legend, *plan_notes]
 
     def _totals(self) -> list[str]:
@@ -279,11 +284,16 @@ class Explanation:
                 "never reads")
 
     def _sent_dtypes_note(self) -> str:
-        """Under mixed precision, the bytes the floor counts: the parameters as gathered and as reduced."""
+        """Under mixed precision, the bytes the floor counts: the parameters as gathered and as reduced (an 8-bit
+        gather's codes and scales, beside what they are held as once dequantized, which the floor does not count)."""
         gathered, reduced = self._gathered_bytes, self.reduced_param_bytes
         if gathered == self.param_bytes and reduced in (None, self.param_bytes):
             return ""
-        return f"; {human_bytes(gathered)} as gathered, {human_bytes(reduced)} as reduced"
+        held = ""
+        if self.gather_dtype is not None and self.held_param_bytes is not None:
+            held = (f" ({str(self.gather_dtype).removeprefix('torch.')} codes and scales; held dequantized: "
+                    f"{human_bytes(self.held_param_bytes)})")
+        return f"; {human_bytes(gathered)} as gathered{held}, {human_bytes(reduced)} as reduced"
 
     def _replicas(self) -> int:
         """HSDP: the ranks of the replicate group the gradient shards are all-reduced over (0: not HSDP)."""
@@ -361,16 +371,21 @@ class Explanation:
         g = self.memory.gathered
         if g is None or not g.buffers:
             return []
-        flat, cut = g.flat_buffers, g.cut_out
-        flat_units = _bytes_by_unit(flat, lambda b: self.memory.unit_of_collective.get(b.name, "?"))
-        cut_units = _bytes_by_unit(cut, lambda b: b.unit or "?")
+        flat, dequantized, cut = g.flat_buffers, g.dequantized, g.cut_out
+        flat_units = _bytes_by_unit(flat, lambda b: b.unit)
+        cut_units = _bytes_by_unit(cut, lambda b: b.unit)
         parts = []
         padded = any(u.padding for u in self.units)
+        codes = "" if self.gather_dtype is None else f" of {str(self.gather_dtype).removeprefix('torch.')} codes"
         if flat:
             parts.append(
-                f"{human_bytes(sum(b.nbytes for b in flat))} of gathered buffers ({_units(flat_units)}, whole"
+                f"{human_bytes(sum(b.nbytes for b in flat))} of gathered buffers{codes} ({_units(flat_units)}, whole"
                 + (", padding rows included)" if padded else ")")
             )
+        if dequantized:
+            by_unit = _bytes_by_unit(dequantized, lambda b: b.unit)
+            nbytes = human_bytes(sum(b.nbytes for b in dequantized))
+            parts.append(f"{nbytes} of dequantized buffers ({_units(by_unit)})")
         if cut:
             parts.append(f"{human_bytes(sum(b.nbytes for b in cut))} of parameters cut out of them ({_units(cut_units)})")
         lines = [
@@ -531,9 +546,10 @@ def _explanation(plan: UnitPlan, step: CompiledStep | None, optimizer, precision
         sum(p.nbytes() for p in owners),
         _options(plan, precision, offload_to),
         step is not None and _made_under_no_sync(step),
-        sum(map(precision.gathered_nbytes, owners)),  # quantized (gather_dtype): codes and scales
+        sum(map(precision.sent_nbytes, owners)),  # quantized (gather_dtype): codes and scales
         nbytes(reduce_dtype, [p for p in owners if p.requires_grad]),
         precision.gather_dtype,
+        sum(map(precision.held_nbytes, owners)),
     )
 
 

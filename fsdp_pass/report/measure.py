@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from fsdp_pass_executors.collectives import watching_issues
+from torch._C._profiler import _EventType  # the allocation events of the profiler's event tree
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
@@ -217,8 +218,6 @@ def _peak(alloc_sizes) -> tuple[int, int]:
 
 def allocated_during(fn, device: str | torch.device = "cpu") -> Allocations:
     """What ``fn()`` allocates on ``device``: the step's tensors, and the process group's scratch."""
-    from torch._C._profiler import _EventType  # the allocation events of the profiler's event tree
-
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # read once, at the profiler's first start: errors only
     device = torch.device(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -29,13 +29,16 @@ as a *buffer*:
    backward in eager before the backward trace starts, which no trace shows. It is taken to be a cross-entropy
    over the outputs' last dimension, as a language model's step computes it: the log-probabilities it saved
    and their gradient live beside each output's gradient while that is made, two buffers as large as each
-   non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`; :func:`caller_loss`, by
+   non-scalar cotangent, live at the backward's start only (op name :data:`CALLER_LOSS`; :func:`~fsdp_pass.plan.caller_loss.caller_loss`, by
    which ZeRO-3's last-unit rule prices the caller's loss too). A cheaper loss (a sum) makes this an over-count;
    one that upcasts the outputs first, an under-count.
+7. an 8-bit gather's quantize op allocates the whole uint8 gathered buffer and writes this rank's slice of it
+   (the all-gather fills it in place, as rule 3's packed shards), and both its ops hold a float32 scratch chunk
+   while they run (:func:`fsdp_pass.ops.quantized_gather.scratch_bytes`): a buffer live at that op alone.
 
 Buffers are tagged by what they hold, so the peak can be read by kind: ``gathered`` parameters
 (all-gather results and copies cut from them, also when the forward kept them for the backward),
-``saved`` (other forward results kept for the backward: activations, in the backward), ``gradients``
+``saved`` (other forward results kept for the backward: activations, from their write in the forward on), ``gradients``
 (unsharded parameter gradients: those a pack op reads, the flat buffer it packs them into, what
 ``no_sync``'s accumulators add), ``gradient shards`` (a reduce-scatter's result and the shard gradients
 cut from it, which the step hands to the optimizer) and ``other`` (activations, their gradients,
@@ -57,12 +60,15 @@ from thunder.core.pytree import tree_flatten
 from fsdp_pass.op_names import (
     ALL_GATHER_OP,
     ALL_REDUCE_OP,
+    DEQUANTIZE_GATHERED_OP,
     REDUCE_SCATTER_OP,
     TORCH_ALL_GATHER_OP,
     TORCH_ALL_REDUCE_OP,
     TORCH_REDUCE_SCATTER_OP,
 )
 from fsdp_pass.ops.flat_buffers import allocated_bytes, collective_returns_input, gathers_in_place, views_of_inputs
+from fsdp_pass.ops.quantized_gather import quantized_gather_bytes, scratch_bytes
+from fsdp_pass.plan.caller_loss import caller_loss, has_own_loss
 from fsdp_pass.predicates import (
     is_all_gather,
     is_all_reduce,
@@ -72,6 +78,7 @@ from fsdp_pass.predicates import (
     is_grad_accumulation,
     is_pack_grads,
     is_pack_shards,
+    is_quantize_shard,
     is_reduce_scatter,
     is_reshape,
     is_return,
@@ -108,7 +115,8 @@ class Buffer:
     start: int  # index of the op that writes it (-1: carried in from the forward)
     end: int  # index of the last op that reads it (len(trace) when it outlives the trace)
     op: str = ""  # the name of the op that wrote it, as printed in the trace (e.g. "fsdp_pack_grads", "matmul")
-    unit: str | None = None  # its unit: the pass's op that wrote it, or the pack op that reads a gradient, names it
+    unit: str | None = None  # its unit: named by the pass's op that wrote it, the pack op that reads a gradient, or (a
+    # collective's result) the op that packed what the collective sends
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,7 @@ class _Buffers:
         self.written_by: dict[str, tuple[str, str | None]] = {}  # buffer id -> (op name, unit)
         self.handed_on_names: set[str] = set()
         self.gathered_in_place: set[str] = set()  # packed shards: the slice of the gathered buffer they fill
+        self.unit_of: dict[str, str] = {}  # output name of one of the pass's unit ops -> its unit (followed or not)
         for name, buf in carried_in.items():
             self.share(name, buf.name, True)
             if buf.name not in self.size:
@@ -198,6 +207,13 @@ class _Buffers:
                 self.kind[buf] = GRADIENTS
                 self.written_by[buf] = (self.written_by[buf][0], unit_of_op(b))
 
+    def mark_saved(self, ret) -> None:
+        """What a forward returns beside its outputs is saved for the backward: activations (and what else the
+        forward computed) among it are saved activations from their write on; gathered parameters stay gathered."""
+        for p in tree_flatten(ret.args[1:])[0]:
+            if isinstance(p, TensorProxy) and p.name in self.buffer_of and self.kind[self.buffer_of[p.name]] == OTHER:
+                self.kind[self.buffer_of[p.name]] = SAVED
+
     def share(self, name: str, buffer: str, contiguous: bool) -> None:
         self.buffer_of[name], self.contiguous[name] = buffer, contiguous
 
@@ -219,8 +235,12 @@ class _Buffers:
 
     def collective(self, b, i: int) -> None:
         """Writes its result buffer when issued; its future keeps the send buffer alive until the wait. An
-        all-reduce that skips its clone (HSDP's, of a reduced shard) sums in place: its result is its input."""
+        all-reduce that skips its clone (HSDP's, of a reduced shard) sums in place: its result is its input. Its
+        result is of the unit whose op packed what it sends (a shard packed as a view of itself included)."""
         send = b.flat_proxy_args[0]
+        unit = self.unit_of.get(send.name)
+        if unit is not None:
+            self.unit_of[b.output.name] = unit
         if is_all_reduce(b) and b.args[4] and send.name in self.buffer_of:
             self.share(b.output.name, self.buffer_of[send.name], self.contiguous[send.name])
             return
@@ -234,6 +254,7 @@ class _Buffers:
             self.kind[buf], self.written_by[buf] = kind, (b.sym.name, self.written_by[buf][1])
             return
         self.new(b.output, i, b, GATHERED if is_all_gather(b) else GRAD_SHARDS)
+        self.written_by[b.output.name] = (b.sym.name, unit)
         if send.name in self.buffer_of:
             self.held_by_future[b.output.name] = self.buffer_of[send.name]
 
@@ -252,6 +273,7 @@ class _Buffers:
         if is_pack_grads(b) or is_grad_accumulation(b):
             self.mark_gradients(b, read)
         views = views_of_inputs(b)
+        self.unit_of.update((o.name, unit_of_op(b)) for o in b.flat_proxy_outs if isinstance(o, TensorProxy))
         kind = OTHER
         if is_unpack_gathered(b) or is_dequantize_gathered(b):  # dequantized: gathered parameters too
             kind = GATHERED
@@ -266,15 +288,24 @@ class _Buffers:
             if src is not None and src.name in self.buffer_of:
                 self.share(o.name, self.buffer_of[src.name], True)
             elif src is None:
-                self.new(o, i, b, kind, allocated_bytes(b, o))
-        if is_pack_shards(b) and gathers_in_place(b):
+                self.new(o, i, b, kind, quantized_gather_bytes(b) if is_quantize_shard(b) else allocated_bytes(b, o))
+        if (is_pack_shards(b) and gathers_in_place(b)) or is_quantize_shard(b):
             self.gathered_in_place.add(b.output.name)
+        if scratch_bytes(b):
+            self.scratch(b, i, scratch_bytes(b))
+
+    def scratch(self, b, i: int, nbytes: int) -> None:
+        """What op ``i`` (bound symbol ``b``) holds while it runs, beside its outputs (rule 7)."""
+        name = f"{b.flat_proxy_outs[0].name}:scratch"
+        self.size[name], self.kind[name], self.start[name], self.last[name] = nbytes, OTHER, i, i
+        self.written_by[name] = (b.sym.name, unit_of_op(b))
 
     def op(self, b, i: int) -> None:
         """Step ``i`` of the trace: bound symbol ``b``."""
         read = self.read(b, i)
         if is_return(b):
             self.handed_on_names.update(p.name for p in read)
+            self.mark_saved(b)
         elif is_bookkeeping(b):
             self.renamed(b, read)
         elif is_all_gather(b) or is_reduce_scatter(b) or is_all_reduce(b):
@@ -420,9 +451,14 @@ class GatheredPeak:
         return tuple(b for b in self.buffers if is_collective_output(b))
 
     @property
+    def dequantized(self) -> tuple[Buffer, ...]:
+        """What an 8-bit gather's dequantize wrote: whole units in the compute dtype (rule 7)."""
+        return tuple(b for b in self.buffers if b.op == DEQUANTIZE_GATHERED_OP)
+
+    @property
     def cut_out(self) -> tuple[Buffer, ...]:
-        """Parameters copied out of a gathered buffer (and kept for the backward, in the backward)."""
-        return tuple(b for b in self.buffers if not is_collective_output(b))
+        """Parameters copied out of a gathered (or dequantized) buffer (and kept for the backward, in the backward)."""
+        return tuple(b for b in self.buffers if not is_collective_output(b) and b.op != DEQUANTIZE_GATHERED_OP)
 
 
 def is_collective_output(buf: Buffer) -> bool:
@@ -460,28 +496,6 @@ def cotangents(backward) -> list[TensorProxy]:
         return []
     flat, _ = tree_flatten(backward.args[names.index("cotangents")])
     return [p for p in flat if isinstance(p, TensorProxy)]
-
-
-def has_own_loss(outputs) -> bool:
-    """Whether one of the forward's outputs with a gradient (or one of those gradients) is 0-d: a loss computed
-    inside the model, which the caller's loss (rule 6) is not added to."""
-    return any(len(o.shape) == 0 for o in outputs)
-
-
-def caller_loss(outputs, dtype=None) -> tuple[tuple[str, int], ...]:
-    """Rule 6: the buffers ``(name, bytes)`` that a loss computed outside the model holds at the backward's start,
-    given the forward's outputs with gradients (or those gradients: the same shapes and dtypes): a cross-entropy
-    over each non-scalar one's last dimension, its log-probabilities and their gradient, each as large as the
-    output (in ``dtype`` where given: the mixed precision's ``output_dtype``, which the outputs are cast to after
-    planning). None where one of them is 0-d: that is a loss computed inside the model (a Hugging Face model fed
-    labels), traced. The one definition the memory model (:func:`step_memory`) and ZeRO-3's last-unit rule
-    (:func:`fsdp_pass.plan.step_summary.caller_loss_bytes`) price the caller's loss by."""
-    if has_own_loss(outputs):
-        return ()
-    return tuple(
-        (f"{o.name}:{what}", int(o.numel) * (dtype or o.dtype).bytes) for o in outputs
-        for what in ("log-probabilities", "their gradient")
-    )
 
 
 def step_memory(forward, backward=None) -> StepMemory:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fsdp_pass.compiled_step import CompiledStep
 from fsdp_pass.op_names import CollectiveKind
 from fsdp_pass.passes.collective_groups import graph, unpacking_group
-from fsdp_pass.plan.op_flops import estimated_flops, numel
+from fsdp_pass.cost.op_flops import estimated_flops, numel
 from fsdp_pass.predicates import (
     collective_kind,
     is_all_gather,
@@ -35,7 +35,7 @@ from fsdp_pass.predicates import (
     is_view_like,
     is_wait,
 )
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.text import format_table, human_bytes
 
 
 def is_compute(bsym) -> bool:

@@ -42,6 +42,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 
 import thunder
+from thunder.core.codeutils import SigInfo
 from thunder.core.proxies import Proxy, TensorProxy, variableify
 from thunder.core.trace import TraceCtx, from_trace, tracectx
 from torch import nn
@@ -262,6 +263,21 @@ def _swapped(bsym, *swaps):
     return bsym
 
 
+def _kept_names(computation, kept_ops) -> set[str]:
+    """The names the kept ops use, and the interpreter's unnumbered ones; numbered names it used for what no op
+    kept (temporaries) are free: the copies and the moved tail now hold those numbers, as after a full run."""
+    names = {p.name for b in kept_ops for p in _all_outputs(b) + list(b.flat_proxy_args)}
+    return names | {n for n in computation.names if not _NUMBERED.match(n)}
+
+
+def _add_names(comp, added: list[str]) -> None:
+    """Adds the copies' names to ``comp``'s; ``NotPeriodic`` where one is taken twice or already."""
+    if len(set(added)) != len(added) or set(added) & comp.names:
+        taken = set(a for a in added if added.count(a) > 1) | (set(added) & comp.names)
+        raise NotPeriodic(f"a copied name is taken: {sorted(taken)[:5]}")
+    comp.names.update(added)
+
+
 def _assemble(results, prefix, keys, starts, seen, defined0, defined1, carried, name_of, layer_of_proxy):
     """The traces of all layers: layer 3's period copied for layers ``keys[LEADING:-1]``, every name the one the
     interpreter would have given (its counter moves by the same stride per layer), so even the traces print the same."""
@@ -302,11 +318,7 @@ def _assemble(results, prefix, keys, starts, seen, defined0, defined1, carried, 
     args = _ordered_args(computation.args, [p for p, _, _ in new_params.values()], name_of | buffers | {
         n: layer_name for n, (_, layer_name, _) in new_params.items()})
     comp = from_trace(computation)
-    # the names the kept ops use, and the interpreter's unnumbered ones; numbered names it used for what no op
-    # kept (temporaries) are free: the copies and the moved tail now hold those numbers, as after a full run
-    kept_ops = bsyms[:s2]
-    comp.names = {p.name for b in kept_ops for p in _all_outputs(b) + list(b.flat_proxy_args)}
-    comp.names |= {n for n in computation.names if not _NUMBERED.match(n)}
+    comp.names = _kept_names(computation, bsyms[:s2])
     unpacks = {b.output.name: b for b in bsyms[:s0] if is_unpack_trivial(b)}
     head = [b for b in bsyms[:s0] if not is_unpack_trivial(b)]
     with tracectx(TraceCtx()):
@@ -317,9 +329,7 @@ def _assemble(results, prefix, keys, starts, seen, defined0, defined1, carried, 
     added = [p.name for p in args if p.name not in comp.names]
     added += fresh
     added += [final[variableify(temporary[variableify(p)])].name for p in own.values()]
-    if len(set(added)) != len(added) or set(added) & comp.names:
-        raise NotPeriodic(f"a copied name is taken: {sorted(set(a for a in added if added.count(a) > 1) | (set(added) & comp.names))[:5]}")
-    comp.names.update(added)
+    _add_names(comp, added)
     comp.name_ctr = computation.name_ctr + extra * stride  # later passes name what they add as after a full run
     comp.args = args
     comp._siginfo = _siginfo(computation, args)
@@ -345,8 +355,6 @@ def _order(qualified_name: str) -> list:
 
 
 def _siginfo(trace, args):
-    from thunder.core.codeutils import SigInfo
-
     si = SigInfo(trace.siginfo().name)
     si.args = [(p.name, None) for p in args]
     return si

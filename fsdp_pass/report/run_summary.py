@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.text import human_bytes
 
 
 def progress_line(step: int, steps: int, loss: float, seconds: float, bar: int = 20) -> str:

@@ -35,15 +35,23 @@ import torch.distributed as dist
 from fsdp_pass_executors import WAIT_CLOCK, executors_for
 
 from fsdp_pass.compiled_step import PHASES, CompiledStep
+from fsdp_pass.errors import check
 from fsdp_pass.models.tiny_lm import TinyLM, counting_batch
 from fsdp_pass.models.zoo import lm_loss
 from fsdp_pass.op_names import ALL_GATHER, REDUCE_SCATTER, CollectiveKind
 from fsdp_pass.plan.schedule import Schedule
 from fsdp_pass.predicates import collective_kind, collectives
 from fsdp_pass.report.overlap import OverlapReport, step_overlap
-from fsdp_pass.report.text import format_table
-from fsdp_pass.shard.groups import run_on_local_ranks
+from fsdp_pass.text import format_table
+from fsdp_pass.ranks import run_on_local_ranks
 from fsdp_pass.transform import FSDP
+
+try:  # drawing needs matplotlib (the notebooks extra); recording does not
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+except ImportError:
+    Figure = Line2D = Patch = None
 
 KIND_COLORS = {ALL_GATHER: "tab:blue", REDUCE_SCATTER: "tab:orange"}
 _SEQ, _VOCAB = 32, 64  # TinyLM's defaults: block size and vocabulary
@@ -317,9 +325,6 @@ def _draw_step(ax, t: StepTimeline, span: float) -> None:
 
 
 def _legend_handles():
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
     return [
         Patch(facecolor="0.65", label="running (compute, Python)"),
         Patch(facecolor="white", edgecolor="0.3", hatch="////", label="blocked in a wait"),
@@ -332,8 +337,8 @@ def _legend_handles():
 
 def draw_timelines(timelines: Iterable[StepTimeline]):
     """One panel per recorded step, on a shared time axis (ms): a matplotlib Figure."""
-    from matplotlib.figure import Figure
-
+    check(Figure is not None, "draw_timelines draws with matplotlib, which is not installed here.",
+          "pip install matplotlib (or the notebooks extra: pip install -e '.[notebooks]').")
     timelines = list(timelines)
     fig = Figure(figsize=(12, 0.8 + 2.2 * len(timelines)))
     axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]

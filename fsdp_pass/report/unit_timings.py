@@ -24,9 +24,9 @@ import torch.distributed as dist
 from fsdp_pass_executors import executors_for
 
 from fsdp_pass.models.zoo import ResidualMLP, regression_batch
-from fsdp_pass.plan.cost_model import LinkCost
+from fsdp_pass.cost.cost_model import LinkCost
 from fsdp_pass.report.step_stats import StepStats, step_stats
-from fsdp_pass.shard.groups import reduced_across_ranks
+from fsdp_pass.ranks import reduced_across_ranks
 from fsdp_pass.transform import FSDP
 
 

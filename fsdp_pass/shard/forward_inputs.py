@@ -11,10 +11,11 @@ float32, where a cast to float32 was no op at all).
    torch ops, so the inputs' gradients flow back through them, in the inputs' own dtype.
 2. :func:`check_and_cast_inputs_on_call`: the jitted module's ``forward`` (an instance attribute, as for its
    state-dict methods: this ThunderModule only) is where every call's inputs pass before the compiled step. It
-   checks their devices (:func:`~fsdp_pass.shard.input_checks.check_input_devices`), does step 1 when mixed
-   precision casts (the prologue trace then shows the inputs it checks in ``param_dtype``), calls the compiled
-   step (under :func:`~fsdp_pass.models.thunder_gc_guard.gc_guard`: Thunder compiles there), and when Thunder
-   fails to trace it, names the inputs that explain the failure
+   refuses a call that would make a transformers model build a KV cache (:mod:`~fsdp_pass.models.hf_kv_cache`:
+   a step needs none and Thunder cannot trace it), checks their devices
+   (:func:`~fsdp_pass.shard.input_checks.check_input_devices`), does step 1 when mixed precision casts (the
+   prologue trace then shows the inputs it checks in ``param_dtype``), calls the compiled step (under :func:`~fsdp_pass.models.thunder_gc_guard.gc_guard`: Thunder
+   compiles there), and when Thunder fails to trace it, names the inputs that explain the failure
    (:func:`~fsdp_pass.shard.input_checks.explain_trace_failure`). A dry run and the functional path's trace
    cast the same way (:func:`inputs_of_step`).
 """
@@ -27,6 +28,7 @@ import thunder
 import torch
 from torch.utils._pytree import tree_map
 
+from fsdp_pass.models.hf_kv_cache import check_no_kv_cache
 from fsdp_pass.models.thunder_gc_guard import gc_guard
 from fsdp_pass.plan.mixed_precision import MixedPrecision
 from fsdp_pass.shard.input_checks import check_input_devices, explain_trace_failure, named_tensors
@@ -74,6 +76,7 @@ def check_and_cast_inputs_on_call(thunder_module, fsdp) -> None:
 
     def forward(*args, **kwargs):
         precision = fsdp.options.mixed_precision
+        check_no_kv_cache(thunder_module._model, kwargs)
         check_input_devices(args, kwargs, fsdp.model.device, names)
         if precision.param_dtype is not None:
             args, kwargs = inputs_of_step(args, kwargs, precision)

@@ -19,7 +19,7 @@ from thunder.core.proxies import variableify
 from thunder.core.trace import TraceProvenance, from_trace
 
 from fsdp_pass.ops.grad_accumulation import grad_sync_check
-from fsdp_pass.passes.proxies import with_shape
+from fsdp_pass.shard.proxies import with_shape
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.predicates import is_return, is_shape_check, is_unpack_parameter
 

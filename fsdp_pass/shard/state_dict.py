@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_pass.errors import check_on_all_ranks
 from fsdp_pass.plan.sharding import ParamSpec
-from fsdp_pass.report.text import bullet_lines
+from fsdp_pass.text import bullet_lines
 from fsdp_pass.shard.global_view import as_dtensor, gather_full, shard_of
 from fsdp_pass.shard.module import ShardedModel
 

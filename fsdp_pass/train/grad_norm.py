@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from fsdp_pass.api import fsdp_of
 from fsdp_pass.errors import check, fail
-from fsdp_pass.report.text import format_table
-from fsdp_pass.shard.groups import reduce_device
+from fsdp_pass.text import format_table
+from fsdp_pass.ranks import reduce_device
 
 NOT_COMPILED = "(not compiled yet)"
 
@@ -178,10 +178,10 @@ def clip_grad_norm_(jm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
     fsdp, params, norms = _measured(jm, norm_type)
     if error_if_nonfinite and not math.isfinite(norms.total):
         fail(nonfinite_summary(norms), (
-            "Find where they come from: FSDP(..., check_finite=True) names the first unit and rank that made a NaN "
-            "or an inf in the step, print(fsdp_pass.grad_norms(model)) shows each unit's norm (lower the learning "
-            "rate, check the inputs, use a loss scaler with float16), or pass error_if_nonfinite=False to scale "
-            "them anyway."
+            "Find where they come from: FSDP(..., check_finite=True) names the first parameter or output and rank "
+            "that made a NaN or an inf in the step, print(fsdp_pass.grad_norms(model)) shows each unit's norm "
+            "(lower the learning rate, check the inputs, use a loss scaler with float16), or pass "
+            "error_if_nonfinite=False to scale them anyway."
         ))
     with_grads = [param for param in params if param.grad is not None]
     first = with_grads[0].grad if with_grads else None

@@ -9,10 +9,14 @@ finds their shards finite and steps, and the ranks' weights part for good.
 1. ``unscale_`` (called by ``step`` when the user did not): torch's, on this rank's gradient shards, giving
    this rank's verdict per device (inf/NaN found or not);
 2. one all-reduce (max) of that verdict over every rank of the model (HSDP's replicas too), on
-   :func:`~fsdp_pass.shard.groups.reduce_device`: every rank now holds the same verdict, "found" when any
+   :func:`~fsdp_pass.ranks.reduce_device`: every rank now holds the same verdict, "found" when any
    rank's shard held an inf or a NaN;
 3. ``step`` and ``update`` are torch's, reading that verdict: every rank skips or steps, and every rank's
    scale backs off or grows, together.
+
+4. With ``FSDP(check_finite=True)``, an enabled scaler takes over the gradients' overflow: the backward's checks
+   raise nothing (an inf or NaN gradient is what this scaler skips the step for), the forward's still raise
+   (:mod:`fsdp_pass.ops.finite_checks`).
 
 Use it as torch's: ``scaler = fsdp_pass.GradScaler(jm)``, ``scaler.scale(loss).backward()``, optionally
 ``scaler.unscale_(opt)`` then ``fsdp_pass.clip_grad_norm_(jm, max_norm)``, ``scaler.step(opt)``,
@@ -25,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_pass.api import fsdp_of
-from fsdp_pass.shard.groups import reduced_across_ranks
+from fsdp_pass.ops.finite_checks import scaler_handles_gradients
+from fsdp_pass.ranks import reduced_across_ranks
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -39,6 +44,7 @@ class GradScaler(torch.amp.GradScaler):
         fsdp = fsdp_of(jitted)
         self._group = fsdp.groups.everyone
         super().__init__(device or fsdp.model.device.type, **kwargs)
+        scaler_handles_gradients(fsdp.scope, self.is_enabled())  # step 4
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # step 1

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from fsdp_pass.errors import check_on_all_ranks, fail
 from fsdp_pass.plan.sharding import ParamSpec
-from fsdp_pass.report.text import bullet_lines
+from fsdp_pass.text import bullet_lines
 from fsdp_pass.shard.global_view import gather_full, shard_of
 from fsdp_pass.shard.module import ShardedModel
 from fsdp_pass.shard.state_dict import saved_view, value_problem

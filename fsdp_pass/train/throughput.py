@@ -2,7 +2,7 @@
 
 1. ``model_flops(forward_trace)``: the FLOPs of one training step's micro-batch on one rank, as the usual MFU
    convention counts them: three times the forward's matmuls, linears and attentions (the backward computes
-   two matmuls per forward matmul), each counted by :func:`~fsdp_pass.plan.op_flops.estimated_flops`
+   two matmuls per forward matmul), each counted by :func:`~fsdp_pass.cost.op_flops.estimated_flops`
    (2·m·n·k; attention 4·b·h·s_q·s_k·d, the causal half not taken off), inside fusion regions too. Other ops
    (norms, activations, the loss) are left out, as is the forward that activation checkpointing computes
    again: the count is the model's, not the hardware's.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_pass.plan.op_flops import estimated_flops, is_matmul_like
+from fsdp_pass.cost.op_flops import estimated_flops, is_matmul_like
 
 # dense (no sparsity) matmul peaks in TFLOP/s per device, from the vendors' data sheets:
 # (a substring of torch.cuda.get_device_name(), {compute kind: TFLOP/s}); the first match wins

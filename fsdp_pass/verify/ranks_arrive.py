@@ -27,7 +27,8 @@ import datetime
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.shard.groups import group_store, has_peers
+from fsdp_pass.ranks import has_peers
+from fsdp_pass.shard.groups import group_store
 
 _PREFIX = "fsdp_pass/arrive"
 _GAVE_UP = 1 << 40  # what a rank that stopped waiting adds to a count: past any group size

@@ -17,9 +17,10 @@ the input (a layer used only for long sequences) can break that, at any step.
    two integers on a host-side gloo channel (:func:`fsdp_pass.shard.groups.cpu_channel`: nothing waits for the
    GPU), issued beside the first collective and waited before the second (:mod:`fsdp_pass.verify.step_agreement`
    says why that is enough and why no step can skip it).
-3. If the digests differ, the ranks exchange the sequences and every rank raises the same FSDPError, naming
-   the first collective that differs. At most the step's first collective was issued, the same on every rank:
-   nothing hangs.
+3. If the digests differ, the ranks exchange the sequences and their plans, and every rank raises the same
+   FSDPError, naming the first collective that differs, and, where the ranks' plans differ, saying so instead of
+   blaming the model (:mod:`fsdp_pass.verify.rank_differences`). At most the step's first collective was issued,
+   the same on every rank: nothing hangs.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ class StepCollectives:
     group: object
     scope: str = ""  # the model's (every rank names it alike): its steps agree among themselves
     phases: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    plan: tuple[str, ...] = ()  # the compile's plan (rank_differences.plan_lines): the error says if plans differ
     first: FirstCollective | None = None  # the forward's first collective
     _digest: int | None = None
 
     def record(self, phase: str, calls: tuple[str, ...]) -> None:
         self.phases[phase] = calls
         self._digest = None
+
+    def described(self) -> dict:
+        """What the error compares across ranks (:func:`~fsdp_pass.verify.rank_differences.describe_difference`)."""
+        return {**self.phases, "plan": self.plan}
 
     def digest(self) -> int:
         if self._digest is None:
@@ -88,60 +94,21 @@ def _first_collective(trace) -> FirstCollective | None:
     return FirstCollective(collective_kind(b), t.numel, to_torch_dtype(t.dtype), t.device.device_str(), group)
 
 
-def record_step_collectives(key: str, group, phase: str, trace, found: dict, scope: str = "") -> None:
-    """Keep the collectives of one final ``phase`` trace of the compile ``key`` of the model ``scope``."""
-    step = _STEPS.setdefault(key, StepCollectives(group, scope))
+def record_step_collectives(key: str, group, phase: str, trace, found: dict, scope: str = "",
+                            plan: tuple[str, ...] = ()) -> None:
+    """Keep the collectives of one final ``phase`` trace of the compile ``key`` of the model ``scope``, and the
+    compile's ``plan`` (:func:`~fsdp_pass.verify.rank_differences.plan_lines`), which the error compares too."""
+    step = _STEPS.setdefault(key, StepCollectives(group, scope, plan=plan))
     step.record(phase, collective_calls(trace, found))
     if phase == "forward":
         step.first = _first_collective(trace)
-
-
-def _first_difference(ref: dict, other: dict, rank: int) -> str | None:
-    """Where the sequences of rank 0 (``ref``) and ``rank`` first differ, forward first."""
-    for phase in ("forward", "backward"):
-        a, b = ref.get(phase, ()), other.get(phase, ())
-        for i in range(max(len(a), len(b))):
-            ca = a[i] if i < len(a) else "nothing"
-            cb = b[i] if i < len(b) else "nothing"
-            if ca != cb:
-                return f"  first difference, {phase} collective #{i}: rank 0 {ca}; rank {rank} {cb}"
-    return None
-
-
-def _counts(sequences: dict) -> str:
-    return " + ".join(str(len(sequences.get(phase, ()))) for phase in ("forward", "backward"))
-
-
-def describe_difference(prints: list[dict]) -> str | None:
-    """None when every rank's sequences (``{phase: [collective, ...]}``) agree, else where the first two differ."""
-    ref = prints[0]
-    for rank, other in enumerate(prints[1:], start=1):
-        if other == ref:
-            continue
-        lines = [
-            (
-                f"rank 0 and rank {rank} are about to run steps that issue different collectives (their inputs "
-                "may differ in shape, but not in the collectives the step issues)."
-            ),
-            _first_difference(ref, other, rank),
-            f"  collectives (forward + backward): rank 0 {_counts(ref)}, rank {rank} {_counts(other)}",
-        ]
-        return "\n".join(line for line in lines if line is not None)
-    return None
-
-
-DIFFERENT_TODO = (
-    "Make every rank's step issue the same collectives whatever its input: use the same modules in the same order "
-    "on every rank (no branch on the input's shape or values that skips or adds a layer), and enter no_sync() and "
-    "torch.no_grad() on every rank alike."
-)
 
 
 def check_same_collectives_impl(key: str) -> None:
     """Before the forward's first collective (:func:`~fsdp_pass.verify.step_agreement.settle_before_first`)."""
     step = _STEPS[key]
     channel = step_agreement.channel_of(step.group)
-    step_agreement.settle_before_first(step.scope, channel, step.digest(), step.first, lambda: step.phases)
+    step_agreement.settle_before_first(step.scope, channel, step.digest(), step.first, step.described)
 
 
 def exchange_step_digest_impl(key: str) -> None:
@@ -153,7 +120,7 @@ def exchange_step_digest_impl(key: str) -> None:
 def await_step_digests_impl(key: str) -> None:
     """Before the second collective (:func:`~fsdp_pass.verify.step_agreement.await_digests`)."""
     step = _STEPS[key]
-    step_agreement.await_digests(step.scope, step_agreement.channel_of(step.group), lambda: step.phases)
+    step_agreement.await_digests(step.scope, step_agreement.channel_of(step.group), step.described)
 
 
 def _no_output(key: str) -> None:

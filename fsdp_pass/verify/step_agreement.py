@@ -50,6 +50,7 @@ import torch.distributed as dist
 from fsdp_pass.errors import fail
 from fsdp_pass.op_names import CollectiveKind
 from fsdp_pass.shard.groups import cpu_channel
+from fsdp_pass.verify.rank_differences import DIFFERENT_TODO, describe_difference
 
 
 @dataclass(frozen=True)
@@ -155,15 +156,14 @@ def await_digests(scope: str, channel, describe) -> None:
 
 
 def raise_difference(channel, mine: dict) -> None:
-    """Every rank has seen that the digests differ: gather the sequences, raise the same FSDPError everywhere."""
-    from fsdp_pass.verify.same_collectives_on_all_ranks import DIFFERENT_TODO, describe_difference
-
+    """Every rank has seen that the digests differ: gather the sequences and plans, raise the same FSDPError
+    everywhere."""
     prints: list = [None] * dist.get_world_size(channel)
     try:
         dist.all_gather_object(prints, mine, group=channel)
     except (RuntimeError, dist.DistError) as e:
         fail(OTHER_RANK_GONE.format(error=f"{type(e).__name__}: {e}"), OTHER_RANK_TODO)
-    fail(describe_difference(prints) or "the ranks' collective digests differ", DIFFERENT_TODO)
+    fail(*(describe_difference(prints) or ("the ranks' collective digests differ", DIFFERENT_TODO)))
 
 
 def channel_of(group):

@@ -1,8 +1,8 @@
-"""The greedy search over units that the auto planner (:mod:`fsdp_pass.plan.auto_plan`) and the default units
-(:mod:`fsdp_pass.plan.default_units`) share.
+"""The greedy search over units that the auto planner (:mod:`fsdp_pass.search.auto_plan`) and the default units
+(:mod:`fsdp_pass.search.default_units`) share.
 
 ``greedy_units(summary, price, budget) -> UnitSearch`` is a pure function of a
-:class:`~fsdp_pass.plan.step_summary.StepSummary`, a ``price(starts) -> Priced`` (the caller's: which units
+:class:`~fsdp_pass.cost.step_summary.StepSummary`, a ``price(starts) -> Priced`` (the caller's: which units
 reshard, prefetch, checkpoint, and so the predicted step of each set of units) and a budget in bytes (None: no
 bound). Units are runs of the summary's pieces, named by where each starts (``starts``).
 
@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.step_model import Prediction, ms
-from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.cost.candidate_costs import Candidate
+from fsdp_pass.cost.step_model import Prediction, ms
+from fsdp_pass.cost.step_summary import StepSummary
 
 BETTER = 1e-3  # a move must shorten the predicted step by this fraction to be taken
 WORTH = 0.02  # all the moves together must shorten it by this fraction to leave one unit per block (item 3)

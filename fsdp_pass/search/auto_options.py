@@ -2,20 +2,21 @@
 the options the other stages read, as if the user had written them.
 
 ``step_summary(computation, param_of_arg, model, options) -> StepSummary`` (every compile makes one: the step
-model prices hand-written plans from it too, :mod:`fsdp_pass.plan.price_plan`), then
-``options_from_auto_plan(summary, model, options) -> (options, AutoPlan)``
+model prices hand-written plans from it too, :mod:`fsdp_pass.cost.price_plan`), then
+``plan_auto(summary, model, options) -> AutoPlan`` and ``options_of_auto_plan(plan, options) -> options``
 
-1. The trace summarized into pieces (:mod:`fsdp_pass.plan.step_summary`).
-2. Plan (:func:`~fsdp_pass.plan.auto_plan.plan_step`) with the settings' cost inputs, else the defaults of the
-   device the step computes on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), and the settings' budget, else
-   the CUDA device's memory (no bound on the CPU or the meta device).
+1. The trace summarized into pieces (:mod:`fsdp_pass.cost.step_summary`).
+2. Plan (:func:`~fsdp_pass.search.auto_plan.plan_step`) from the summary every rank plans from
+   (:mod:`~fsdp_pass.search.planned_from`), with the settings' cost inputs, else the defaults of the device the step
+   computes on (``h100-nvlink`` on CUDA, ``cpu-gloo`` otherwise), and the settings' budget, else the CUDA device's
+   memory (no bound on the CPU or the meta device).
 3. The plan's units become a unit policy (:class:`PlannedUnits`), its resharding a ``reshard_after_forward``
    function of the unit's name, its checkpointing a ``checkpoint_activations`` one (:class:`CheckpointNamed`,
    the level per unit), its prefetch depths (one for all, and the units' own) a
    :class:`~fsdp_pass.plan.schedule.Schedule`.
 
-When the model is sharded, every rank takes rank 0's settings (:func:`agreed_settings`), so every rank plans
-the same. Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to``
+When the model is sharded, every rank takes rank 0's settings (:func:`agreed_settings`); at the first compile every
+rank plans from the same step; later compiles keep the first one's plan (:mod:`~fsdp_pass.search.decisions`). Offload moves the shards when the model is sharded, before any trace exists: with ``offload_to``
 given the plan offloads; without it, a plan that needs offload is an FSDPError saying to pass
 ``offload_to="cpu"``.
 """
@@ -24,24 +25,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 import torch.distributed as dist
 
 from fsdp_pass.errors import fail
-from fsdp_pass.plan.auto_plan import plan_step
-from fsdp_pass.plan.auto_plan_text import AutoPlan
-from fsdp_pass.plan.cost_model import DEFAULTS, CostInputs
-from fsdp_pass.plan.fused_saves import fuses_elementwise
+from fsdp_pass.search.auto_plan import plan_step
+from fsdp_pass.search.auto_plan_text import AutoPlan
+from fsdp_pass.cost.cost_model import device_defaults
+from fsdp_pass.cost.fused_saves import fuses_elementwise
 from fsdp_pass.plan.options import AutoSettings, FSDPOptions
 from fsdp_pass.plan.plan_units import policy_input
 from fsdp_pass.plan.schedule import Schedule
-from fsdp_pass.plan.step_summary import StepSummary, summarize
-from fsdp_pass.report.text import human_bytes
-from fsdp_pass.shard.groups import has_peers
+from fsdp_pass.cost.step_summary import StepSummary, summarize
+from fsdp_pass.text import human_bytes
+from fsdp_pass.ranks import has_peers
 
 
 class PlannedUnits:
-    """A unit policy that returns the auto plan's units."""
+    """A unit policy that returns the auto plan's units (of the parameters the trace reads: a later compile keeps
+    the first one's plan)."""
 
     name = "auto"
 
@@ -49,7 +50,8 @@ class PlannedUnits:
         self.planned = tuple(groups)
 
     def groups(self, inp) -> list:
-        return list(self.planned)
+        used = [(n, tuple(p for p in ps if p in inp.first_use)) for n, ps in self.planned]
+        return [(n, ps) for n, ps in used if ps]
 
 
 @dataclass(frozen=True)
@@ -72,17 +74,11 @@ class CheckpointNamed:
         return dict(self.levels).get(unit.name, "none")
 
 
-def device_defaults(device) -> tuple[CostInputs, int | None]:
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda":
-        return DEFAULTS["h100-nvlink"], torch.cuda.get_device_properties(device).total_memory
-    return DEFAULTS["cpu-gloo"], None
-
-
 def agreed_settings(settings: AutoSettings, device, group) -> AutoSettings:
     """``settings`` with the device's defaults filled in, and rank 0's on every rank of ``group`` (collective): a
-    plan is a function of these and of the trace, so every rank plans the same collectives (the cost inputs of a
-    probe, or a device's memory, could differ between ranks by a little)."""
+    plan is a function of these and of the step every rank plans from (:mod:`~fsdp_pass.search.planned_from`), so
+    every rank plans the same collectives (the cost inputs of a probe, or a device's memory, could differ between
+    ranks by a little)."""
     default_cost, default_budget = device_defaults(device)
     settings = replace(
         settings,
@@ -118,9 +114,9 @@ def step_summary(computation, param_of_arg: dict[str, str], model, options: FSDP
                      model.groups.replicas, fused_attention(executors), fuses_elementwise(executors))
 
 
-def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):
-    """The options the auto plan of the step ``summary`` describes makes of ``options`` (``options.auto`` set),
-    and the plan."""
+def plan_auto(summary: StepSummary, model, options: FSDPOptions) -> AutoPlan:
+    """The auto plan of the step ``summary`` (``options.auto`` set; its cost inputs and budget, else the defaults of
+    the device the model computes on)."""
     settings = options.auto
     default_cost, default_budget = device_defaults(model.device)
     offloaded = options.offload_to is not None
@@ -132,11 +128,15 @@ def options_from_auto_plan(summary: StepSummary, model, options: FSDPOptions):
             "and the optimizer state must live on the host, and they are placed when the model is sharded.",
             "Pass offload_to='cpu' too (FSDP('auto', memory_budget=..., offload_to='cpu')), or a larger budget.",
         )
-    planned = replace(
+    return plan
+
+
+def options_of_auto_plan(plan: AutoPlan, options: FSDPOptions) -> FSDPOptions:
+    """The options the auto ``plan`` makes of ``options``, as if the user had written them."""
+    return replace(
         options,
         unit_policy=PlannedUnits(plan.groups),
         reshard_after_forward=ReshardNamed(plan.resharded),
         checkpoint_activations=CheckpointNamed(tuple(sorted(plan.checkpoint_by_unit.items()))),
         schedule=Schedule(prefetch=plan.candidate.prefetch, prefetch_by_unit=plan.prefetch_by_unit),
     )
-    return planned, plan

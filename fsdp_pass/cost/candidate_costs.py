@@ -3,8 +3,8 @@ its backward's working set) and its seconds (forward compute, its collectives on
 on the compute queue, a checkpointed unit's recompute). ``unit_costs(summary, candidate, cost) -> list[UnitCost]``.
 
 A :class:`Candidate` is what the planner decides: the units (runs of consecutive pieces of a
-:class:`~fsdp_pass.plan.step_summary.StepSummary`), which of them reshard after forward, the prefetch depth (one for
-all, or one per unit), offload, checkpointing. :mod:`~fsdp_pass.plan.step_model` runs the units' costs through the
+:class:`~fsdp_pass.cost.step_summary.StepSummary`), which of them reshard after forward, the prefetch depth (one for
+all, or one per unit), offload, checkpointing. :mod:`~fsdp_pass.cost.step_model` runs the units' costs through the
 step's two queues and its memory; its docstring says how each cost is priced.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_pass.op_names import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from fsdp_pass.ops.flat_buffers import unpack_is_view
+from fsdp_pass.plan.gather_rules import unpack_is_view
 from fsdp_pass.plan.checkpointing import FULL, NONE
-from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.cost.cost_model import CostInputs
+from fsdp_pass.cost.step_summary import StepSummary
 
 # ops the torch executor runs per op of the functional trace (views, re-layouts and decompositions added): the
 # benchmark model's forward, 136 traced ops run as 259 (backward 544, about twice), `scratch` count of
@@ -96,6 +96,14 @@ class UnitCost:
     # largest result) and the activations it frees
     tail_working: int = 0
     tail_activations: int = 0
+    # an 8-bit gather: its gathered buffer of codes and scales (what it sends), held from its issue until its dequantize
+    # has read it, beside the dequantized parameters (``gathered``) there; 0: not quantized
+    codes: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Bytes its gather holds from its issue until its wait is used: the codes, else the gathered buffer."""
+        return self.codes or self.gathered
 
     def forward_total_s(self) -> float:
         return self.forward_s + self.gather_ops_s
@@ -139,13 +147,18 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
         passed_on = [b for p in ps for reader, b in p.passed_on if reader >= span.stop]
         received = 0 if summary.fused else max([0, *passed_on])
         gathered, grads = sum(p.gathered_bytes for p in ps), sum(p.grad_bytes for p in ps)
+        sent = sum(p.sent_bytes or p.gathered_bytes for p in ps)  # an 8-bit gather's codes and scales
+        codes = sent if summary.quantized else 0
         shard = sum(p.shard_bytes for p in ps)
         ops = EXECUTED_OPS_PER_TRACE_OP * sum(p.ops for p in ps)
         # a gather that is the shards themselves (one rank, nothing cast or moved): views, no bytes, one op each
         views = summary.gathers_views and not candidate.offload
+        # packing (an 8-bit gather: quantizing) reads the shards, unpacking copies the gathered rows out (dequantizing
+        # first reads the codes and writes the gathered buffer)
         gather_ops_s = (cost.compute_seconds(0, sum(len(p.params) for p in ps), 0) if views else
-                        cost.compute_seconds(0, OPS_PER_COLLECTIVE, 2 * (shard + gathered)))
-        gathered = 0 if views else gathered
+                        cost.compute_seconds(0, OPS_PER_COLLECTIVE + bool(codes),
+                                             2 * (shard + gathered) + (codes + gathered if codes else 0)))
+        gathered, sent = (0, 0) if views else (gathered, sent)
         # at every world size, one rank included, the traces reduce-scatter (over one rank it returns its input) with
         # pack and unpack around it; they gather there too, pack, copy and unpack, except where the gather is the
         # shards' views (``views`` above)
@@ -157,7 +170,7 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 shard,
                 kept,
                 cost.compute_seconds(sum(p.flops for p in ps), ops, sum(p.moved_bytes for p in ps)),
-                cost.link.seconds(gathered, summary.ranks, ALL_GATHER),
+                cost.link.seconds(sent, summary.ranks, ALL_GATHER),
                 cost.link.seconds(grads, summary.ranks, REDUCE_SCATTER) + _across_replicas_s(summary, grads, cost),
                 # packing copies the shards into the send buffer, unpacking the gathered rows out of it
                 gather_ops_s,
@@ -173,6 +186,7 @@ def unit_costs(summary: StepSummary, candidate: Candidate, cost: CostInputs) -> 
                 not unpack_is_view(sum(len(p.params) for p in ps)),
                 2 * summary.tail_largest_bytes if span.stop == len(summary.pieces) else 0,
                 summary.tail_activation_bytes if span.stop == len(summary.pieces) else 0,
+                codes,
             )
         )
     return out

@@ -1,4 +1,4 @@
-"""Proxy helpers shared by the passes."""
+"""Proxy helpers shared by the shard stage and the passes after it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 needs it, the cheapest first. Pure functions of a step summary, a candidate plan, cost inputs and a budget.
 
 1. :func:`moves`: per unit, two moves, each with the bytes it frees and the recompute time it costs
-   (:func:`~fsdp_pass.plan.candidate_costs.kept_and_recompute`): to ``selective`` (keep its matmuls' and attentions'
+   (:func:`~fsdp_pass.cost.candidate_costs.kept_and_recompute`): to ``selective`` (keep its matmuls' and attentions'
    results, recompute the cheap ops between them), then from there to ``full`` (keep only what leaves the unit,
    recompute all of it). Every selective move comes before every full one; within each kind, the units whose
    move frees most bytes per recompute second first.
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fsdp_pass.plan.candidate_costs import Candidate, kept_and_recompute, unit_costs
+from fsdp_pass.cost.candidate_costs import Candidate, kept_and_recompute, unit_costs
 from fsdp_pass.plan.checkpointing import FULL, NONE, SELECTIVE
-from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_model import ms, peak_of, persistent_bytes
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.cost_model import CostInputs
+from fsdp_pass.cost.step_model import ms, peak_of, persistent_bytes
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.text import human_bytes
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,21 @@
-"""The auto planner's decisions per unit (:mod:`fsdp_pass.plan.auto_plan`, items 3-5), for one set of units:
+"""The auto planner's decisions per unit (:mod:`fsdp_pass.search.auto_plan`, items 3-5), for one set of units:
 which reshard after forward (as few as bring the peak within the budget), which prefetch at a depth of their
-own, and which checkpoint their activations (:mod:`fsdp_pass.plan.auto_checkpoint`). :meth:`PerUnitDecisions.tried`
+own, and which checkpoint their activations (:mod:`fsdp_pass.search.auto_checkpoint`). :meth:`PerUnitDecisions.tried`
 prices a set of units with the first two decisions made fast, for the search over units
-(:mod:`fsdp_pass.plan.unit_search`); the others refine the plan chosen.
+(:mod:`fsdp_pass.search.unit_search`); the others refine the plan chosen.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from fsdp_pass.plan.auto_checkpoint import checkpointed_for_budget, fewest_checkpointed
-from fsdp_pass.plan.auto_plan_text import depth_reason
-from fsdp_pass.plan.candidate_costs import Candidate, unit_costs
-from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_model import peak_of, persistent_bytes, predict
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.plan.unit_search import Priced, better, fits, unit_names
+from fsdp_pass.search.auto_checkpoint import checkpointed_for_budget, fewest_checkpointed
+from fsdp_pass.search.auto_plan_text import depth_reason
+from fsdp_pass.cost.candidate_costs import Candidate, unit_costs
+from fsdp_pass.cost.cost_model import CostInputs
+from fsdp_pass.cost.step_model import peak_of, persistent_bytes, predict
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.search.unit_search import Priced, better, fits, unit_names
 
 PREFETCH_DEPTHS = (0, 1, 2)
 

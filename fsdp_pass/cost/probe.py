@@ -7,7 +7,7 @@
    ``repeats`` times after one warm-up, every rank starting together (a barrier), the slowest rank's time
    kept (an all-reduce of the times, MAX), the fastest of the repeats (on a shared host the others measure
    the neighbours too).
-2. :func:`fsdp_pass.plan.cost_model.fit_link` fits ``seconds = alpha + sent / beta`` to (bytes each rank
+2. :func:`fsdp_pass.cost.cost_model.fit_link` fits ``seconds = alpha + sent / beta`` to (bytes each rank
    sent, seconds): the latency every collective pays, the bandwidth large ones reach. When the times do not
    grow with the size (a busy host's noise drowning the small sizes), the gathers are measured again with
    twice the repeats, up to three times in all; every rank holds the same times, so all retry together.
@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from fsdp_pass.errors import FSDPError
 from fsdp_pass.op_names import ALL_GATHER
-from fsdp_pass.plan.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
-from fsdp_pass.report.text import format_table, human_bytes
-from fsdp_pass.shard.groups import reduced_across_ranks, run_on_local_ranks
+from fsdp_pass.cost.cost_model import CostInputs, LinkCost, fit_link, sent_bytes
+from fsdp_pass.text import format_table, human_bytes
+from fsdp_pass.ranks import reduced_across_ranks, run_on_local_ranks
 
 
 @dataclass(frozen=True)
@@ -164,10 +164,18 @@ def host_costs(device, repeats: int = 5) -> tuple[float, float, float, float]:
     return op_s, memory_rate, tensor_s, optimizer_rate
 
 
-def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3) -> float:
-    """The share of an all-gather's time that a matmul running beside it hides, on the slowest rank: time the
-    gather alone, matmuls of about as long alone, then both at once (the gather issued asynchronously);
-    ``(gather + compute - both) / min(gather, compute)``, between 0 and 1."""
+def hidden_share(gather_s: float, compute_s: float, together_s: float) -> float:
+    """The share of an all-gather's time that compute beside it hides: ``(gather + compute - together) /
+    min(gather, compute)``, kept between 0 (running both took as long as one after the other, or longer: on a
+    host whose cores run both, the gather slowed the compute) and 1 (the shorter one hidden whole)."""
+    share = (gather_s + compute_s - together_s) / min(gather_s, compute_s)
+    return min(max(share, 0.0), 1.0)
+
+
+def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3, clock=time.perf_counter) -> float:
+    """:func:`hidden_share` on the slowest rank (the lowest share over the group): time the gather alone, matmuls
+    of about as long alone, then both at once (the gather issued asynchronously), each the fastest of
+    ``repeats``. ``clock`` is read right before and right after each timed run (a test hands canned times)."""
     ranks = dist.get_world_size(group)
     part = torch.ones(max(nbytes // 4 // ranks, 1), device=device)
     out = torch.empty(part.numel() * ranks, device=device)
@@ -177,11 +185,11 @@ def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3) -> flo
         best = float("inf")
         for _ in range(repeats):
             dist.barrier(group=group)
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
         return best
 
     gather = timed(lambda: dist.all_gather_into_tensor(out, part, group=group))
@@ -199,8 +207,8 @@ def overlap_share(group, device, nbytes: int = 4 << 20, repeats: int = 3) -> flo
 
     alone = timed(compute)
     together = timed(both)
-    [share] = reduced_across_ranks([(gather + alone - together) / min(gather, alone)], dist.ReduceOp.MIN, group)
-    return min(max(share, 0.0), 1.0)
+    [share] = reduced_across_ranks([hidden_share(gather, alone, together)], dist.ReduceOp.MIN, group)
+    return share
 
 
 def fitted(measure, ranks: int, attempts: int = 3) -> tuple[tuple, LinkCost]:
@@ -225,7 +233,8 @@ def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, re
     """Collective: every rank of ``group`` (the default group if None) calls it. Returns a ProbeResult.
     ``dtype``: what the matmul computes in (the step's compute dtype: bfloat16 under mixed precision). One rank
     has no collectives to measure: its link costs nothing, and only the compute and the host are probed.
-    ``clock``: what times the all-gathers the link is fitted to (:func:`time_all_gathers`)."""
+    ``clock``: what times the all-gathers the link is fitted to (:func:`time_all_gathers`) and the runs the
+    overlap is computed from (:func:`overlap_share`)."""
     group = group if group is not None else dist.group.WORLD
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ranks = dist.get_world_size(group)
@@ -239,7 +248,7 @@ def probe(group=None, *, min_bytes: int = 1 << 10, max_bytes: int = 16 << 20, re
         where += f", {str(dtype).removeprefix('torch.')} matmul"
     # the slowest rank's rate: every rank gets the same numbers, so an auto plan made from them is the same
     [rate] = reduced_across_ranks([matmul_flops_per_s(device, dtype=dtype)], dist.ReduceOp.MIN, group)
-    overlap = overlap_share(group, device) if ranks > 1 else 1.0
+    overlap = overlap_share(group, device, clock=clock) if ranks > 1 else 1.0
     # the slowest rank's times, the slowest rank's rates
     op_s, memory_rate, tensor_s, optimizer_rate = host_costs(device)
     slowest = [op_s, 1 / memory_rate, tensor_s, 1 / optimizer_rate]

@@ -5,16 +5,16 @@ unit, so freeing it would mean gathering it again at once. Keeping it gathered c
 peaks while it is held, though: a loss the caller computes on the returned logits runs before the backward, with
 the kept unit beside its log-probabilities and their gradient (the step model's point "the caller's loss").
 
-So the step model (:func:`~fsdp_pass.plan.step_model.peak_of`) prices both: the candidate ``template`` (its units,
+So the step model (:func:`~fsdp_pass.cost.step_model.peak_of`) prices both: the candidate ``template`` (its units,
 prefetch depths, offload, checkpointing; its ``reshard`` is ignored) with every unit resharded, and with the last
 one kept. The last unit reshards only where that lowers the predicted step peak by more than the model's error
 (``TIE``: 1 % of the kept peak; on the Llamas it was measured on the model is within 0.3 % of the traces, on tiny
 models a few hundred bytes off); a tie keeps it (a gather saved).
-Over a group of one rank a gather is the shards themselves (:func:`~fsdp_pass.ops.unshard.gathers_nothing`): both
+Over a group of one rank a gather is the shards themselves (:func:`~fsdp_pass.plan.gather_rules.gathers_nothing`): both
 choices hold the same bytes and the last unit stays.
 
-``plan_units``, the default units (:mod:`~fsdp_pass.plan.default_units`) and the auto planner's hand-written ZeRO-3
-(:mod:`~fsdp_pass.plan.auto_plan`) ask this one function, so what they price is what the compile does.
+``plan_units``, the default units (:mod:`~fsdp_pass.search.default_units`) and the auto planner's hand-written ZeRO-3
+(:mod:`~fsdp_pass.search.auto_plan`) ask this one function, so what they price is what the compile does.
 ``reshard_after_forward=`` given by the user overrides it.
 """
 
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fsdp_pass.plan.candidate_costs import Candidate, unit_costs
-from fsdp_pass.plan.cost_model import DEFAULTS
-from fsdp_pass.plan.step_model import peak_of, persistent_bytes
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.candidate_costs import Candidate, unit_costs
+from fsdp_pass.cost.cost_model import DEFAULTS
+from fsdp_pass.cost.step_model import peak_of, persistent_bytes
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.text import human_bytes
 
 _BYTES_ONLY = DEFAULTS["cpu-gloo"]  # the peak reads no rate: any cost inputs price it the same
 TIE = 0.01  # a predicted saving under this share of the kept peak is within the step model's error: kept

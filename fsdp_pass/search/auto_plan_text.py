@@ -1,18 +1,18 @@
 """The auto plan as it prints: :class:`AutoPlan` (the planner's choice, its table of units and its reasons) and
-the sentences that give each decision's reason (:mod:`fsdp_pass.plan.auto_plan` decides, this words it).
+the sentences that give each decision's reason (:mod:`fsdp_pass.search.auto_plan` decides, this words it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fsdp_pass.plan.candidate_costs import OPS_PER_COLLECTIVE, Candidate, unit_costs
+from fsdp_pass.cost.candidate_costs import OPS_PER_COLLECTIVE, Candidate, unit_costs
 from fsdp_pass.plan.checkpointing import NONE
-from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_model import Prediction, ms, predict
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.plan.unit_search import Priced, Taken, fits
-from fsdp_pass.report.text import format_table, human_bytes
+from fsdp_pass.cost.cost_model import CostInputs
+from fsdp_pass.cost.step_model import Prediction, ms, predict
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.search.unit_search import Priced, Taken, fits
+from fsdp_pass.text import format_table, human_bytes
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Predict one step of a candidate plan: its time and its peak memory, from a
-:class:`~fsdp_pass.plan.step_summary.StepSummary` and :class:`~fsdp_pass.plan.cost_model.CostInputs`.
+:class:`~fsdp_pass.cost.step_summary.StepSummary` and :class:`~fsdp_pass.cost.cost_model.CostInputs`.
 
 ``predict(summary, candidate, cost) -> Prediction``. A :class:`Candidate` is what the planner decides: the
 units (runs of consecutive pieces), which of them reshard after forward, the prefetch depth (one for all, or
-one per unit), offload. Each unit's own bytes and seconds are :mod:`~fsdp_pass.plan.candidate_costs`'s
+one per unit), offload. Each unit's own bytes and seconds are :mod:`~fsdp_pass.cost.candidate_costs`'s
 (:func:`unit_costs`, with :class:`Candidate`, :func:`kept_and_recompute` and the constants named below); this
 module runs them through the step's two queues and its memory.
 
@@ -22,7 +22,8 @@ program order (as one CUDA stream each, or gloo's worker), as the scheduled trac
 3. with offload, each gather is preceded by the copy of its shards to the device, and each reduce-scatter
    followed by the copy of its gradient shard back, on the communication queue.
 
-A gather or reduce-scatter costs the link's ``alpha + sent / beta``; under HSDP each reduce-scatter is followed,
+A gather or reduce-scatter costs the link's ``alpha + sent / beta`` (an 8-bit gather sends its codes and scales,
+``UnitCost.codes``); under HSDP each reduce-scatter is followed,
 on the same queue, by the all-reduce of the reduced shard across the replicas (``CostInputs.across_replicas``:
 ``alpha + 2(R-1)/R * shard / beta``). A unit's compute costs
 (``CostInputs.compute_seconds``) its matmul FLOPs / the matmul rate, plus the bytes its elementwise ops move / the
@@ -48,7 +49,10 @@ Memory, per rank, at each unit's unpack, at the end of its forward and at both e
   its gathered parameters and frees them after their last read, kept or resharded), the unit computing, and
   the gathers issued and not yet used (none over a group of one rank, where the schedule packs each gather's buffer
   right before its use: it moves nothing); a unit of several parameters twice at its unpack, which copies them out
-  of the gathered buffer, freed once the unpack has run (the next gather, issued after this one's wait, not yet);
+  of the gathered buffer, freed once the unpack has run (the next gather, issued after this one's wait, not yet).
+  Held bytes are the parameters in the compute dtype; an 8-bit gather's (``UnitCost.codes``) holds its gathered
+  buffer of codes and scales, what it sends, from its issue until its dequantize, and at the dequantize both that
+  buffer and the dequantized parameters (the ops' float32 scratch chunks are left out);
 - activations: every piece's up to this point of the forward, or not yet freed in the backward: a kept result is
   freed by the backward of the first op that keeps it, so the results a later piece keeps (a block's output, the
   next norm's input), and those that ops after a piece's last parameter read keep (the residual sum, the next
@@ -86,10 +90,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_pass.plan.candidate_costs import Candidate, UnitCost, unit_costs
-from fsdp_pass.plan.cost_model import CostInputs
-from fsdp_pass.plan.step_summary import StepSummary
-from fsdp_pass.report.text import human_bytes
+from fsdp_pass.cost.candidate_costs import Candidate, UnitCost, unit_costs
+from fsdp_pass.cost.cost_model import CostInputs
+from fsdp_pass.cost.step_summary import StepSummary
+from fsdp_pass.text import human_bytes
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # the default Schedule's bound
 
@@ -226,8 +230,8 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
     diff = [0] * (len(seq) + 2)
     for t, a in enumerate(anchors):
         if a != t:
-            diff[a + 1] += units[seq[t]].gathered
-            diff[t + 1] -= units[seq[t]].gathered
+            diff[a + 1] += units[seq[t]].in_flight
+            diff[t + 1] -= units[seq[t]].in_flight
     out, running = [], 0
     for d in diff[:-1]:
         running += d
@@ -238,50 +242,82 @@ def _issued_unused(seq: list[int], anchors: list[int], units: list[UnitCost]) ->
 def _issued_before(seq: list[int], anchors: list[int], units: list[UnitCost]) -> list[int]:
     """Bytes of the other gathers issued and not yet waited for when gather ``t`` is waited and unpacked: entry
     ``t`` (those issued after an earlier wait, or at the top, and used after it)."""
-    return [sum(units[seq[s]].gathered for s in range(t + 1, len(seq)) if anchors[s] < t) for t in range(len(seq))]
+    return [sum(units[seq[s]].in_flight for s in range(t + 1, len(seq)) if anchors[s] < t) for t in range(len(seq))]
+
+
+class _Peak:
+    """The highest live bytes seen so far, and where."""
+
+    def __init__(self, live: int, at: str):
+        self.bytes, self.where = live, at
+
+    def point(self, live: int, at: str) -> None:
+        if live > self.bytes:
+            self.bytes, self.where = live, at
 
 
 def peak_of(
     units: list[UnitCost], candidate: Candidate, names: list[str], persistent: int, output_grad: int = 0,
     loss: int = 0,
 ) -> tuple[int, str]:
-    k = len(units)
     forward, f_anchor, backward, b_anchor = _gather_orders(candidate, units)
-    f_unused, b_unused = _issued_unused(forward, f_anchor, units), _issued_unused(backward, b_anchor, units)
-    f_before, b_before = _issued_before(forward, f_anchor, units), _issued_before(backward, b_anchor, units)
-    best, where = persistent, "between steps"
-
-    def point(live: int, at: str) -> None:
-        nonlocal best, where
-        if live > best:
-            best, where = live, at
-
-    acts = 0
-    kept = 0  # gathered units before this one that stay gathered for the backward
-    for i in range(k):
-        # its unpack: the gathered buffer and the parameters copied out of it, before its ops run
-        if units[i].copies_out:
-            point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
-        acts += units[i].activations
-        point(persistent + kept + units[i].gathered + f_unused[i + 1] + acts, f"forward of {names[i]}")
-        if not candidate.reshard[i] and units[i].reads_params:  # else freed after its forward's last read
-            kept += units[i].gathered
+    peak = _Peak(persistent, "between steps")
+    acts, kept = _forward_peaks(peak, units, candidate, names, persistent, _issued_unused(forward, f_anchor, units),
+                                _issued_before(forward, f_anchor, units))
     # the caller's loss, before the backward trace: its bytes beside the outputs' gradients, the kept units (the last
     # one too where kept) and every activation, no backward gather issued yet
     if loss:
-        point(persistent + kept + acts + output_grad + loss, "the caller's loss, before the backward")
+        peak.point(persistent + kept + acts + output_grad + loss, "the caller's loss, before the backward")
     # a loss the forward computed: its backward comes first, on the same bytes, with its own working set in place of
     # the caller's; the schedule issues no backward gather above it (schedule_collectives, step 3)
     last = units[-1] if units else None
     if last is not None and last.tail_working:
-        point(persistent + kept + acts + output_grad + last.tail_working, f"the loss's backward, before {names[-1]}'s")
+        peak.point(persistent + kept + acts + output_grad + last.tail_working,
+                   f"the loss's backward, before {names[-1]}'s")
         acts -= last.tail_activations
-    latest_wait = -1  # the backward gathers waited for so far
-    reduced = 0  # the gradient shards the backward has made so far
-    freed_at: dict[int, int] = {}  # a unit -> the earlier units' activations its backward frees
+    reduced = _backward_peaks(peak, units, candidate, names, persistent, output_grad, acts, kept,
+                              _issued_unused(backward, b_anchor, units), _issued_before(backward, b_anchor, units))
+    peak.point(persistent + reduced, "optimizer step")
+    return peak.bytes, peak.where
+
+
+def _forward_peaks(peak: _Peak, units, candidate, names, persistent: int, f_unused, f_before) -> tuple[int, int]:
+    """Records each unit's forward points in ``peak``; returns the activations kept and the bytes of the units that
+    stay gathered for the backward, at the forward's end."""
+    acts = 0
+    kept = 0  # gathered units before this one that stay gathered for the backward
+    for i in range(len(units)):
+        # an 8-bit gather's dequantize: the received codes and the dequantized buffer
+        if units[i].codes:
+            peak.point(persistent + kept + units[i].codes + units[i].gathered + f_before[i] + acts,
+                       f"forward of {names[i]}")
+        # its unpack: the gathered buffer and the parameters copied out of it, before its ops run
+        if units[i].copies_out:
+            peak.point(persistent + kept + 2 * units[i].gathered + f_before[i] + acts, f"forward of {names[i]}")
+        acts += units[i].activations
+        peak.point(persistent + kept + units[i].gathered + f_unused[i + 1] + acts, f"forward of {names[i]}")
+        if not candidate.reshard[i] and units[i].reads_params:  # else freed after its forward's last read
+            kept += units[i].gathered
+    return acts, kept
+
+
+def _freed_at(units) -> dict[int, int]:
+    """A unit -> the earlier units' activations its backward frees."""
+    freed_at: dict[int, int] = {}
     for u in units:
         for v, b in u.freed_later:
             freed_at[v] = freed_at.get(v, 0) + b
+    return freed_at
+
+
+def _backward_peaks(peak: _Peak, units, candidate, names, persistent: int, output_grad: int, acts: int, kept: int,
+                    b_unused, b_before) -> int:
+    """Records each unit's backward points in ``peak``, last unit first; returns the gradient shards kept on the
+    device at the backward's end."""
+    k = len(units)
+    latest_wait = -1  # the backward gathers waited for so far
+    reduced = 0  # the gradient shards the backward has made so far
+    freed_at = _freed_at(units)
     for j in range(k - 1, -1, -1):
         gathered = units[j].gathered  # kept since its forward, or gathered again
         again = False
@@ -296,8 +332,11 @@ def peak_of(
         in_flight = sum(u.grads for u in units[j + 1 : j + 1 + REDUCE_SCATTERS_IN_FLIGHT] if not u.reduced_in_place)
         common = persistent + reduced + kept + in_flight
         received = output_grad if j == k - 1 else units[j].received  # the gradient its backward starts from
+        if again and units[j].codes:  # its dequantize: the received codes and the dequantized buffer
+            codes = units[j].codes
+            peak.point(common + b_before[latest_wait] + codes + gathered + acts + received, f"backward of {names[j]}")
         if again and units[j].copies_out:  # its unpack, before its ops: the gathered buffer and the copies out of it
-            point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
+            peak.point(common + b_before[latest_wait] + 2 * gathered + acts + received, f"backward of {names[j]}")
         # its backward starts with its parameters gathered, its activations kept (less those a later unit's backward
         # read last and freed), its working set: the gradient it receives and the one an op makes (the last unit's:
         # the forward's outputs' gradients, which its ops read and free, beside it), and ends with its gradients
@@ -309,10 +348,9 @@ def peak_of(
                  + freed_at.get(j, 0))
         made = units[j].compute_grads or units[j].grads  # its gradients, then their copy packed for the reduce
         handed_on = units[j - 1].received if j else 0
-        point(common + ahead + max(start, acts + made + units[j].grads + handed_on), f"backward of {names[j]}")
+        peak.point(common + ahead + max(start, acts + made + units[j].grads + handed_on), f"backward of {names[j]}")
         reduced += 0 if candidate.offload else units[j].shard
-    point(persistent + reduced, "optimizer step")
-    return best, where
+    return reduced
 
 
 def persistent_bytes(summary: StepSummary, offload: bool) -> int:

@@ -1,7 +1,7 @@
 """What the forward keeps for the backward when a fusion executor runs its elementwise ops:
 ``kept_after_fusion(kept, elementwise_inputs, made_in, nbytes, region_of, kept_in) -> kept``.
 
-:mod:`~fsdp_pass.plan.saved_tensors` asks Thunder's autodiff what each op keeps, op by op, as the torch executor
+:mod:`~fsdp_pass.cost.saved_tensors` asks Thunder's autodiff what each op keeps, op by op, as the torch executor
 runs them. A fusion executor (torchcompile, nvFuser: the CUDA lowering) runs a chain of elementwise ops as one
 kernel, and Thunder's rematerialization then keeps the chain's inputs and recomputes the rest in the backward's
 fusion wherever that keeps no more: a norm keeps its input and not its normalized product, a SwiGLU its gate
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from thunder.core.proxies import TensorProxy
 
-from fsdp_pass.plan.op_flops import is_attention, is_matmul_like
+from fsdp_pass.cost.op_flops import is_attention, is_matmul_like
 from fsdp_pass.predicates import is_float_tensor, is_view_like
 
 FUSION_EXECUTORS = ("torchcompile", "nvfuser")

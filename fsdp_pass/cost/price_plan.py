@@ -5,11 +5,11 @@
 compile keeps (``UnitPlan.summary``), so a hand-written plan and the auto plan can be set side by side, and
 either against a measured step.
 
-1. :func:`candidate_of` reads the plan as the step model's :class:`~fsdp_pass.plan.candidate_costs.Candidate`: each
-   unit a run of consecutive pieces (:mod:`~fsdp_pass.plan.step_summary`), in forward order, with its
+1. :func:`candidate_of` reads the plan as the step model's :class:`~fsdp_pass.cost.candidate_costs.Candidate`: each
+   unit a run of consecutive pieces (:mod:`~fsdp_pass.cost.step_summary`), in forward order, with its
    resharding and its prefetch depth (``Schedule.prefetch``, ``prefetch_by_unit``), whether the shards are
    offloaded, and each unit's activation checkpointing level (``checkpoint_activations``).
-2. :func:`~fsdp_pass.plan.step_model.predict` prices it with ``cost`` (a ``cost_model.DEFAULTS`` name,
+2. :func:`~fsdp_pass.cost.step_model.predict` prices it with ``cost`` (a ``cost_model.DEFAULTS`` name,
    ``CostInputs``, or a probe's result; None: what an auto plan was made with, else the defaults of the device
    the step computes on), the optimizer being the one the summary was made for (AdamW unless
    ``FSDP("auto", optimizer=...)`` said otherwise).
@@ -23,12 +23,11 @@ HSDP's all-reduce across replicas is not priced: the shard group's collectives a
 from __future__ import annotations
 
 from fsdp_pass.errors import check
-from fsdp_pass.plan.auto_options import device_defaults
-from fsdp_pass.plan.candidate_costs import Candidate
-from fsdp_pass.plan.cost_model import CostInputs
+from fsdp_pass.cost.candidate_costs import Candidate
+from fsdp_pass.cost.cost_model import CostInputs, device_defaults
 from fsdp_pass.plan.options import FSDPOptions, resolve_cost
-from fsdp_pass.plan.step_model import Prediction, predict
-from fsdp_pass.plan.step_summary import StepSummary
+from fsdp_pass.cost.step_model import Prediction, predict
+from fsdp_pass.cost.step_summary import StepSummary
 from fsdp_pass.plan.units import Unit, UnitPlan
 
 _PRICED = "The step model prices units made of whole pieces, prefetched by depth, stored or offloaded"

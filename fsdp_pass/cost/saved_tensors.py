@@ -5,7 +5,7 @@ module called (``layer_norm``, ``gelu``, ``scaled_dot_product_attention``). Thun
 a rule of its own through its decomposition, and then keeps the decomposition's intermediates: a tanh GELU keeps
 five tensors of its input's size, a layer norm five of its input's, an attention computed op by op its scores
 several times. Guessing that from the op's inputs undercounted a tiny GPT-2's activations by half (its auto plan
-measured 147,800 B against a 122,544 B budget, issue 39). So each op is asked of Thunder itself:
+measured 147,800 B against a 122,544 B budget). So each op is asked of Thunder itself:
 
 1. The op alone is traced on fresh proxies of its tensor arguments (each requiring a gradient where the
    step differentiates it: the caller says, since a functional trace marks its parameters only), returning
@@ -28,11 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import thunder
 import torch
+from thunder.common import CompileData
 from thunder.core import dtypes, prims
 from thunder.core.compile_data import compile_data_and_stats, get_compile_data
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten, tree_map
+from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
 
 from fsdp_pass.predicates import is_return, is_view_like
 
@@ -71,18 +74,12 @@ def _executors():
     cd = get_compile_data()
     if cd is not None and cd.executors_list is not None:
         return tuple(cd.executors_list)
-    import thunder
-
     return tuple(thunder.get_default_executors())
 
 
 def _kept_of_op_alone(bsym, grads: tuple[bool, ...], executors):
     """(argument names, output names, kept tensors, {a kept tensor's name: the argument it converts}) of the op
     traced alone and differentiated by Thunder."""
-    import thunder
-    from thunder.common import CompileData
-    from thunder.transforms.autodiff import grad_transform_on_trace, split_into_forward_and_backward
-
     args = _tensor_args(bsym)
     names = [p.name for p in args]
     metas = [

@@ -9,7 +9,7 @@
 ``alpha_s`` is the latency each collective pays whatever its size (why one collective per unit beats one per
 parameter); ``bytes_per_s`` is what a rank sends per second once the collective is large (NCCL calls it the
 bus bandwidth). :func:`fit_link` finds both from measured (bytes sent, seconds) pairs, by least squares on
-that line; :mod:`fsdp_pass.plan.probe` measures them on the user's ranks.
+that line; :mod:`fsdp_pass.cost.probe` measures them on the user's ranks.
 
 ``CostInputs``: the link of the shard group (under HSDP also the one between its replicas, ``probe(group=the
 replicate group)`` measures it), the device's matmul rate, the copy rate to and from the host (what offloading
@@ -22,6 +22,8 @@ parameter tensor and per byte. Left at their defaults (zero, None) a step is its
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from fsdp_pass.errors import check
 from fsdp_pass.op_names import ALL_REDUCE, CollectiveKind
@@ -59,7 +61,7 @@ def fit_link(points) -> LinkCost:
     check(
         len(set(xs)) >= 2 and min(ys, default=0) > 0,
         f"fit_link needs positive times at two sizes or more, got {len(set(xs))} size(s).",
-        "Measure collectives of several sizes, e.g. 1 KiB to 16 MiB (fsdp_pass.plan.probe does).",
+        "Measure collectives of several sizes, e.g. 1 KiB to 16 MiB (fsdp_pass.cost.probe does).",
     )
     w = [1.0 / y**2 for y in ys]
     sw = sum(w)
@@ -161,3 +163,12 @@ DEFAULTS = {
         op_s=3.05e-6, memory_bytes_per_s=30.3e9, optimizer_tensor_s=83.7e-6, optimizer_bytes_per_s=1.1e9,
     ),
 }
+
+
+def device_defaults(device) -> tuple[CostInputs, int | None]:
+    """The cost inputs and the memory budget of the device a step computes on (None: the CPU): ``h100-nvlink`` and
+    the CUDA device's memory; else ``cpu-gloo`` and no bound (the CPU, the meta device of a dry run)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return DEFAULTS["h100-nvlink"], torch.cuda.get_device_properties(device).total_memory
+    return DEFAULTS["cpu-gloo"], None

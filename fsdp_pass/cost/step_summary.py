@@ -7,16 +7,18 @@ Pieces are ordered by first use in the forward trace; a unit the planner makes i
 pieces, so it can merge blocks (``layers.3`` with ``layers.4``) or split one (its attention from its MLP).
 
 Read off the functional forward trace, before any rewriting (items 3 to 5 in one walk over its ops,
-:mod:`~fsdp_pass.plan.op_tally`):
+:mod:`~fsdp_pass.cost.op_tally`):
 
-1. ``gathered_bytes``: the piece's unsharded parameters in the dtype they are gathered in (the mixed
-   precision's ``param_dtype``, else their own); ``grad_bytes`` the same in the dtype they are reduced in.
+1. ``gathered_bytes``: the piece's unsharded parameters as the step holds them once gathered, in the dtype it
+   computes in (the mixed precision's ``param_dtype``, else their own); ``sent_bytes`` as its gather moves them
+   (the same, but for an 8-bit gather: codes and scales, ``MixedPrecision.sent_nbytes``, whose buffer is held too,
+   from the gather's issue to its dequantize); ``grad_bytes`` the parameters in the dtype they are reduced in.
 2. ``shard_bytes``: what this rank keeps of them between steps (padding included).
 3. ``flops``: the forward ops between this piece's first parameter read and the next piece's, counted by
-   :func:`~fsdp_pass.plan.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, about half that
+   :func:`~fsdp_pass.cost.op_flops.estimated_flops` (matmuls 2·m·n·k, attention 4·b·h·s²·d, about half that
    when causal and run as one kernel, others one per output element).
 4. ``activation_bytes``: what the backward keeps of those ops, as Thunder's autodiff keeps it
-   (:mod:`~fsdp_pass.plan.saved_tensors`: each op differentiated alone): the results it keeps, each charged
+   (:mod:`~fsdp_pass.cost.saved_tensors`: each op differentiated alone): the results it keeps, each charged
    to the piece whose op made it (a view to what it views), and the intermediates of the decompositions it
    differentiates through (a tanh GELU's, a layer norm's, an attention's scores where no executor runs it as
    one kernel with a backward of its own: torch's SDPA on CUDA keeps a log-sum-exp per row, left out).
@@ -24,7 +26,7 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    ``read_later`` the results that later pieces read, and the kept ones that the ops after the piece's last
    parameter read make or read (a residual add after the last matmul, the next norm's reduction: outside what a
    checkpointed unit recomputes), which a checkpointed unit keeps. On a fusion executor (the CUDA lowering) the
-   elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.plan.fused_saves`), and
+   elementwise chains keep their inputs instead, region by region (:mod:`~fsdp_pass.cost.fused_saves`), and
    selective checkpointing keeps what the chains through the copies start from too (the fused kernels recompute
    the ops between the matmuls at both levels; the selective level the copies as well: grouped-query attention's
    k and v projections, not their repeated copies), ``matmul_read_later`` the part of ``read_later`` it counts.
@@ -37,7 +39,7 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    The dry run's traced peak (``explain()``) is the check.
 
 5. ``ops``: those ops, counted as the functional trace has them (the executed trace has about twice as many:
-   views, re-layouts; :mod:`~fsdp_pass.plan.step_model` scales them), ``matmul_ops`` and ``matmul_flops`` the
+   views, re-layouts; :mod:`~fsdp_pass.cost.step_model` scales them), ``matmul_ops`` and ``matmul_flops`` the
    matmuls' and attentions' part; ``moved_bytes``: what the ops that are
    neither matmuls nor views read and write (elementwise ops, reductions, normalizations), their tensors' bytes;
    ``largest_result_bytes``: the largest floating-point result of those ops that the forward does not return, a
@@ -57,8 +59,16 @@ Read off the functional forward trace, before any rewriting (items 3 to 5 in one
    gradient shard (``ranks`` is the shard group's size).
 
 8. ``gathers_views`` (of the whole step): whether a unit's gather is its shards themselves, views and no copy
-   (:func:`~fsdp_pass.ops.unshard.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
+   (:func:`~fsdp_pass.plan.gather_rules.gathers_nothing`: a shard group of one rank, no parameter cast by mixed precision,
    no quantized gather; offload, a candidate's choice, copies them all the same).
+
+9. ``quantized`` (of the whole step): the gathers are 8-bit (``MixedPrecision.gather_dtype``): each holds its
+   received codes beside the dequantized parameters at its dequantize.
+
+10. ``after_last_read`` (of the whole step): per parameter, the bytes the forward computes after its last read
+   (:func:`~fsdp_pass.plan.computed_after.bytes_after_last_read`): ZeRO-3's last-unit rule where the step model
+   cannot price the units (:func:`~fsdp_pass.plan.plan_units.keeps_last_unit`) reads them here, from the summary
+   every rank plans from (:mod:`~fsdp_pass.search.planned_from`), not from a rank's own trace.
 
 No process group, no tensors: a pure function of the trace, the sharding plan and which attentions run fused
 (``fused_attention(bsym)``), so the planner can be tested on hand-made summaries.
@@ -71,14 +81,15 @@ from dataclasses import dataclass
 from thunder.core.proxies import TensorProxy
 from thunder.core.pytree import tree_flatten
 
-from fsdp_pass.ops.unshard import gathers_nothing
+from fsdp_pass.plan.gather_rules import gathers_nothing
+from fsdp_pass.plan.computed_after import bytes_after_last_read
 from fsdp_pass.plan.mixed_precision import MixedPrecision, thunder_dtype
-from fsdp_pass.plan.op_tally import ops_by_piece, tensor_bytes
+from fsdp_pass.cost.op_tally import ops_by_piece, tensor_bytes
 from fsdp_pass.plan.optimizers import ADAMW, Optimizer
 from fsdp_pass.plan.sharding import ShardingPlan
 from fsdp_pass.plan.unit_policies import Blocks, PolicyInput
 from fsdp_pass.predicates import is_float_tensor, is_return
-from fsdp_pass.report.memory import caller_loss
+from fsdp_pass.plan.caller_loss import caller_loss
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,7 @@ class Piece:
     name: str
     params: tuple[str, ...]
     block: str  # the Blocks unit it belongs to: where the planner starts from
-    gathered_bytes: int  # unsharded, in the gathered dtype
+    gathered_bytes: int  # unsharded, as held once gathered (in the compute dtype)
     grad_bytes: int  # unsharded gradients, in the reduce dtype
     shard_bytes: int  # this rank's shards, in their stored dtype (padding included)
     flops: float  # forward
@@ -114,6 +125,8 @@ class Piece:
     # (the last piece that reads them, bytes): its results that later pieces read and that need a gradient (a block's
     # output): the gradient its backward receives from theirs
     passed_on: tuple[tuple[int, int], ...] = ()
+    # unsharded, as its gather sends them (an 8-bit gather's codes and scales); 0: ``gathered_bytes``
+    sent_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,9 @@ class StepSummary:
     # a loss the forward computes after its last parameter read (item 6): its largest result and what it keeps
     tail_largest_bytes: int = 0
     tail_activation_bytes: int = 0
+    quantized: bool = False  # 8-bit gathers (item 9): each piece's ``sent_bytes`` is its received codes and scales
+    # (parameter, bytes): what the forward computes after the parameter's last read (item 10)
+    after_last_read: tuple[tuple[str, int], ...] = ()
 
     @property
     def shard_bytes(self) -> int:
@@ -147,6 +163,12 @@ class StepSummary:
     @property
     def activation_bytes(self) -> int:
         return sum(p.activation_bytes for p in self.pieces)
+
+    def bytes_after(self, params) -> int | None:
+        """What the forward computes after the last read of any of ``params`` (item 9); None where it read none."""
+        after = dict(self.after_last_read)
+        known = [after[p] for p in params if p in after]
+        return min(known) if known else None
 
     @property
     def tensors(self) -> int:
@@ -195,23 +217,41 @@ def summarize(
     t = ops_by_piece(computation, piece_of_arg, len(found), fused_attention, frozenset(o.name for o in outputs),
                       fuses, blocks.__getitem__)
 
+    reads_params = _reads_params_with_tied_owners(t.reads_params, found, index_of_param, sharding)
+    pieces = _pieces(found, t, reads_params, sharding, precision)
+    cast = [p for _, _, ps in found for p in ps if precision.param_dtype not in (None, sharding.param(p).dtype)]
+    views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
+    return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
+                       caller_loss_bytes(computation, param_of_arg, precision), views,
+                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts,
+                       quantized=precision.gather_dtype is not None,
+                       after_last_read=bytes_after_last_read(computation, param_of_arg))
+
+
+def _reads_params_with_tied_owners(reads, found, index_of_param, sharding: ShardingPlan) -> list:
+    """Whether each piece reads its parameters, where a tied parameter's reads are its owner's (a tied head's
+    backward reads the embedding's weight, which the embedding's unit gathers): a piece reading its tied parameters
+    marks their owners' pieces too."""
+    reads_params = list(reads)
+    for i, (_, _, params) in enumerate(found):
+        for p in params if reads[i] else ():
+            if sharding.param(p).shard_of in index_of_param:
+                reads_params[index_of_param[sharding.param(p).shard_of]] = 1
+    return reads_params
+
+
+def _pieces(found, t, reads_params, sharding: ShardingPlan, precision: MixedPrecision) -> tuple[Piece, ...]:
+    """One ``Piece`` per ``(name, block, params)`` of ``found``, from the op tally ``t``."""
+
     def nbytes(params, dtype) -> int:
         return sum(sharding.param(p).nbytes(dtype) for p in params)
 
-    # a tied parameter's reads are its owner's (a tied head's backward reads the embedding's weight, which the
-    # embedding's unit gathers): a piece reading its tied parameters marks their owners' pieces too
-    reads_params = list(t.reads_params)
-    for i, (_, _, params) in enumerate(found):
-        for p in params if t.reads_params[i] else ():
-            if sharding.param(p).shard_of in index_of_param:
-                reads_params[index_of_param[sharding.param(p).shard_of]] = 1
-
-    pieces = tuple(
+    return tuple(
         Piece(
             name,
             tuple(params),
             block,
-            sum(precision.gathered_nbytes(sharding.param(p)) for p in params),  # quantized: codes and scales
+            sum(precision.held_nbytes(sharding.param(p)) for p in params),
             nbytes(params, precision.reduce_dtype),
             sum(sharding.param(p).layout.shard_numel * sharding.param(p).itemsize for p in params),
             t.flops[i],
@@ -229,14 +269,10 @@ def summarize(
             nbytes(params, precision.param_dtype),
             tuple(sorted(t.freed_in[i].items())),
             tuple(sorted(t.passed_on[i].items())),
+            sum(precision.sent_nbytes(sharding.param(p)) for p in params),  # 8-bit: codes and scales
         )
         for i, (name, block, params) in enumerate(found)
     )
-    cast = [p for _, _, ps in found for p in ps if precision.param_dtype not in (None, sharding.param(p).dtype)]
-    views = gathers_nothing(sharding.world_size, bool(cast) or precision.gather_dtype is not None, False)
-    return StepSummary(pieces, sharding.world_size, optimizer, tensor_bytes(outputs), replicas, fuses,
-                       caller_loss_bytes(computation, param_of_arg, precision), views,
-                       tail_largest_bytes=t.tail_largest, tail_activation_bytes=t.tail_acts)
 
 
 def returned_outputs(computation) -> list[TensorProxy]:
@@ -261,7 +297,7 @@ def differentiable_outputs(computation, param_of_arg: dict[str, str]) -> list:
 
 def caller_loss_bytes(computation, param_of_arg: dict[str, str], precision=None) -> int:
     """What a loss the caller computes on the forward's outputs holds at the backward's start, as the memory model
-    prices it (its rule 6, :func:`fsdp_pass.report.memory.caller_loss`: a cross-entropy's log-probabilities and
+    prices it (its rule 6, :func:`fsdp_pass.plan.caller_loss.caller_loss`: a cross-entropy's log-probabilities and
     their gradient, two buffers as large as the logits, in the mixed ``precision``'s ``output_dtype``); 0 where the
     forward returns its own loss (a 0-d output with a gradient) or nothing with a gradient."""
     dtype = thunder_dtype(getattr(precision, "output_dtype", None))
