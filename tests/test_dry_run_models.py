@@ -1,13 +1,11 @@
 """What the dry-run CLI takes as ``--model``: a Hugging Face config, factories with keyword inputs, counts
-printed for people, the device a dry run lowers for, and the identical-layer shortcut.
+printed for people, and the device a dry run lowers for.
 
-The Hugging Face compiles are of the Llama in ``tests/fixtures/hf_tiny_llama/config.json``: one of 2 layers through
-the CLI at world size 8 in bfloat16 (its rotary embedding opens ``torch.autocast`` on the input's device, which on
-the meta device failed with "unsupported scalarType" before the dry run stood the CPU in for it), and three of
-7 layers in float32 at 1024 tokens: one per target device with the shortcut (five layers interpreted, two copied),
-whose saved activations are counted by hand, and the CUDA one again with every layer interpreted, which must print
-the same. The built-in tiny Llama with 7 layers is compiled twice likewise (with and without the shortcut), and the
-shortcut's compile also serves the step model's per-layer count.
+The compiles here are of a 2-layer Hugging Face Llama from ``tests/fixtures/hf_tiny_llama/config.json`` (about
+25 s each on 2 cores): one through the CLI at world size 8 in bfloat16 (its rotary embedding opens
+``torch.autocast`` on the input's device, which on the meta device failed with "unsupported scalarType" before
+the dry run stood the CPU in for it), and one per target device in float32 at 1024 tokens, whose saved
+activations are counted by hand.
 """
 
 import functools
@@ -86,24 +84,14 @@ def test_cli_dry_run_of_a_hugging_face_llama_config(tmp_path, capsys):
 
 
 SEQ = 1024  # tokens: each layer's b*h*s*s attention probabilities (16 MiB in float32) would outweigh the rest of it
-HF_LAYERS = 7  # the shortcut interprets five (the first four and the last) and copies two, the second reading the first
 
 
 @functools.cache
-def _hf_dry_run(device: str, every_layer: bool = False):
-    """The Hugging Face Llama of ``tests/fixtures/hf_tiny_llama`` with :data:`HF_LAYERS` layers at :data:`SEQ` tokens,
-    2 ranks, one unit per layer, lowered for ``device``; ``every_layer``: without the identical-layer shortcut. One
-    compile serves the saved-activation count and the shortcut's comparison."""
-    model = build_model(f"hf:{HF_LLAMA}", seq=SEQ, layers=HF_LAYERS)
-    return dry_run(model.module, model.args, 2, "zero3", kwargs=model.kwargs, device=device, units="blocks",
-                   trace_every_layer=every_layer)
-
-
 def _saved_activations(device: str) -> int:
     """Bytes the forward of the HF Llama keeps for the backward, gathered parameters left out, lowered for ``device``."""
-    run = _hf_dry_run(device)
+    model = build_model(f"hf:{HF_LLAMA}", seq=SEQ)
+    run = dry_run(model.module, model.args, 2, "zero3", kwargs=model.kwargs, device=device, units="blocks")
     assert run.device == device and (("sdpa" in run.executors) == (device == "cuda")), run.executors
-    assert run.copied_layers == f"2 of {HF_LAYERS} layers of model.layers copied from layer 3's ops (5 interpreted)"
     step = run.explanation.memory.step
     return step.saved_bytes - step.saved_gathered_bytes
 
@@ -123,7 +111,7 @@ def _hand_count(device: str) -> int:
     embedding's output and the positions (int64).
     """
     config = json.loads((HF_LLAMA / "config.json").read_text())
-    b, s, layers, vocab = 1, SEQ, HF_LAYERS, config["vocab_size"]
+    b, s, layers, vocab = 1, SEQ, config["num_hidden_layers"], config["vocab_size"]
     d, hidden, h = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
     hd, f32, i64 = d // h, 4, 8
     bsd, bsh, rows, heads = b * s * d * f32, b * s * hidden * f32, b * s * f32, b * h * s * hd * f32
@@ -153,21 +141,13 @@ def test_the_default_device_follows_the_cost_inputs():
         dry_run(torch.nn.Linear(2, 2, device="meta"), (torch.zeros(1, 2, device="meta"),), 2, device="tpu")
 
 
-@functools.cache
-def _zoo_dry_run(every_layer: bool = False):
-    """The built-in tiny Llama with 7 layers, Llama's rotary embedding, 64 tokens, 8 ranks, one unit per layer, lowered
-    for CUDA; ``every_layer``: without the identical-layer shortcut. One compile serves the shortcut's comparison
-    and the step model's per-layer count."""
-    module, args = zoo.build("tiny", n_layer=7, seq=64, rope_theta=10000.0)
-    return dry_run(module, args, 8, device="cuda", units="blocks", trace_every_layer=every_layer)
-
-
 def test_copying_identical_layers_prints_the_plan_of_interpreting_them_all():
-    """The shortcut (five layers interpreted, the rest copied) against the full interpretation, on the CUDA lowering
-    of the built-in Llama with 7 layers and Llama's rotary embedding (the tables every layer reads): the same printed
-    plan, op positions and peaks included, and the same printed traces (the copies get the names the interpreter
-    would have given). Two copies: the second reads the first's residual stream."""
-    copied, full = _zoo_dry_run(), _zoo_dry_run(every_layer=True)
+    """The shortcut (five layers interpreted, the rest copied) against the full interpretation, on the default
+    CUDA lowering of the built-in Llama with 7 layers and Llama's rotary embedding (the tables every layer reads): the
+    same printed plan, op positions and peaks included, and the same printed traces (the copies get the names the
+    interpreter would have given). Two copies: the second reads the first's residual stream."""
+    module, args = zoo.build("tiny", n_layer=7, rope_theta=10000.0)
+    copied, full = (dry_run(module, args, 8, device="cuda", trace_every_layer=every) for every in (False, True))
     assert copied.copied_layers == "2 of 7 layers of model.layers copied from layer 3's ops (5 interpreted)"
     assert full.copied_layers == ""
     assert str(copied.explanation) == str(full.explanation)
@@ -175,14 +155,17 @@ def test_copying_identical_layers_prints_the_plan_of_interpreting_them_all():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_copying_identical_hugging_face_layers_prints_the_plan_of_interpreting_them_all():
+def test_copying_identical_hugging_face_layers_prints_the_plan_of_interpreting_them_all(tmp_path):
     """As above on the Hugging Face Llama of ``tests/fixtures/hf_tiny_llama`` with 7 layers (the path users take
     with ``--model hf:DIR``): its layers' code names the rotary function's ``q`` and ``k`` after the variables in
     layer 1 too, and its prologue checks each layer's attributes (``layer_idx``, the norms' ``variance_epsilon``),
-    which the copies must pass. The same printed plan and traces with and without the shortcut (the run with it is
-    the one whose saved activations are counted by hand above)."""
+    which the copies must pass. The same printed plan and traces with and without the shortcut."""
     pytest.importorskip("transformers")
-    copied, full = _hf_dry_run("cuda"), _hf_dry_run("cuda", every_layer=True)
+    config = json.loads((HF_LLAMA / "config.json").read_text()) | {"num_hidden_layers": 7}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = build_model(f"hf:{tmp_path}", seq=8)
+    copied, full = (dry_run(model.module, model.args, 8, kwargs=model.kwargs, device="cuda", trace_every_layer=every)
+                    for every in (False, True))
     assert copied.copied_layers == "2 of 7 layers of model.layers copied from layer 3's ops (5 interpreted)"
     assert full.copied_layers == ""
     assert str(copied.explanation) == str(full.explanation)
@@ -320,16 +303,16 @@ def test_the_step_model_keeps_per_layer_what_the_fused_cuda_lowering_keeps():
     Thunder), on the zoo's Llama with rotary embeddings, units='blocks'. Equal but for the fused kernel's
     log-sum-exp, which the model leaves out (b*h*s*4 bytes, 0.6 % here); the embedding's unit equal. Before, the
     model kept the projections added to the residual and let the next norm recompute its input from them across
-    the block boundary: 10 % less than the traces, and the 7B's auto plan at 20 GiB did not fit its traced peak.
-    The compile is the shortcut test's (7 layers, 64 tokens)."""
-    run = _zoo_dry_run()  # 7 layers, two of them copied by the shortcut: all seven compared
+    the block boundary: 10 % less than the traces, and the 7B's auto plan at 20 GiB did not fit its traced peak."""
+    module, args = zoo.build("tiny", n_layer=2, seq=64, rope_theta=10000.0)
+    run = dry_run(module, args, 8, device="cuda", units="blocks")
     traced = _traced_kept_per_unit(run.forward)
     modelled: dict[str, int] = {}
     for p in run.fsdp.compiled_step.plan.summary.pieces:
         modelled[p.block] = modelled.get(p.block, 0) + p.activation_bytes
     cfg = zoo.CONFIGS["tiny"]
     lse = cfg.local_batch * cfg.n_head * 64 * 4  # float32, rows of 64 tokens (a multiple of the kernel's 32)
-    layers = [f"model.layers.{i}" for i in range(7)]
+    layers = ["model.layers.0", "model.layers.1"]
     assert all(traced[u] == modelled[u] + lse for u in layers), [(u, traced[u], modelled[u]) for u in layers]
     # the embedding's unit: its output, the first norm's normalized input and the rotary tables every layer reads
     assert traced["model.embed"] == modelled["model.embed"], (traced["model.embed"], modelled["model.embed"])
