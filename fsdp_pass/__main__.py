@@ -97,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
         help="left out: FSDP's default, the units the step model chooses (with the cost inputs of --cost, default "
         "h100-nvlink); 'blocks' (one unit per block, the default before), 'per_parameter', or 'size:<MiB>' (BySize)",
     )
+    _add_step_options(p)
+    probe.add_parser(commands)
+    return parser
+
+
+def _add_step_options(p: argparse.ArgumentParser) -> None:
+    """The explain command's options for the step: prefetch, optimizer, shape, precision, offload, output."""
     p.add_argument("--prefetch", type=int, default=1, help="units gathered ahead (-1: Thunder's order)")
     p.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_STATES),
                    help="its state in the memory prediction; the auto plan prices its step too")
@@ -110,9 +117,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-sync", action="store_true", help="also show what no_sync() gradient accumulation holds per rank"
     )
+    p.add_argument(
+        "--every-layer", action="store_true",
+        help="interpret every layer of a stack of identical layers (default: five, the rest copied from one of them, "
+        "which prints the same plan and traces in a fraction of the time)",
+    )
     p.add_argument("--out", default=None, help="folder for forward_trace.py, backward_trace.py, explain.txt")
-    probe.add_parser(commands)
-    return parser
 
 
 def _mesh(spec: str) -> tuple[int, int]:
@@ -161,6 +171,7 @@ def explain_command(ns) -> int:
         mixed_precision=precision,
         offload_to="cpu" if ns.offload else None,
         checkpoint_activations=ns.checkpoint,
+        trace_every_layer=ns.every_layer,
         **chosen,
     )
     print(

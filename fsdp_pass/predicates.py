@@ -197,6 +197,45 @@ def is_unpack_trivial(bsym) -> bool:
     return bsym.sym is prims.unpack_trivial
 
 
+def is_unpack_buffer(bsym) -> bool:
+    return bsym.sym is prims.unpack_buffer
+
+
+def is_unpack_submodule(bsym) -> bool:
+    return _id(bsym) == prims.PrimIDs.UNPACK_SUBMODULE
+
+
+def is_unpack_attr(bsym) -> bool:
+    return _id(bsym) == prims.PrimIDs.UNPACK_ATTR
+
+
+def is_unpack_getitem(bsym) -> bool:
+    return _id(bsym) == prims.PrimIDs.UNPACK_GETITEM
+
+
+# a prologue's checks of the values the interpreter read (numbers, strings, None, lengths, types)
+_VALUE_CHECKS = frozenset(
+    {
+        prims.PrimIDs.CHECK_NUMBER_TYPE_AND_VALUE,
+        prims.PrimIDs.CHECK_STRING_VALUE,
+        prims.PrimIDs.CHECK_NONE,
+        prims.PrimIDs.CHECK_LEN,
+        prims.PrimIDs.CHECK_LITERAL_LIKE,
+        prims.PrimIDs.CHECK_TYPE,
+        prims.PrimIDs.CHECK_INSTANCE,
+        prims.PrimIDs.CHECK_SLICE_VALUE,
+        prims.PrimIDs.CHECK_BOOL_CONVERSION,
+        prims.PrimIDs.CHECK_EMPTY,
+        prims.PrimIDs.CHECK_TENSOR_SHAPE_AND_METADATA,
+    }
+)
+
+
+def is_prologue_value_check(bsym) -> bool:
+    """A prologue's check of a value the interpreter read (a number, string, None, length, type or tensor's metadata)."""
+    return _id(bsym) in _VALUE_CHECKS
+
+
 _BOOKKEEPING = frozenset(
     {
         prims.PrimIDs.DEL,

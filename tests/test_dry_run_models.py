@@ -142,16 +142,69 @@ def test_the_default_device_follows_the_cost_inputs():
 
 
 def test_copying_identical_layers_prints_the_plan_of_interpreting_them_all():
-    """The shortcut (four layers interpreted, the rest copied) against the full interpretation, on the default
-    CUDA lowering of the built-in Llama with 6 layers and Llama's rotary embedding (the tables every layer reads): the
+    """The shortcut (five layers interpreted, the rest copied) against the full interpretation, on the default
+    CUDA lowering of the built-in Llama with 7 layers and Llama's rotary embedding (the tables every layer reads): the
     same printed plan, op positions and peaks included, and the same printed traces (the copies get the names the
-    interpreter would have given)."""
-    module, args = zoo.build("tiny", n_layer=6, rope_theta=10000.0)
+    interpreter would have given). Two copies: the second reads the first's residual stream."""
+    module, args = zoo.build("tiny", n_layer=7, rope_theta=10000.0)
     copied, full = (dry_run(module, args, 8, device="cuda", trace_every_layer=every) for every in (False, True))
-    assert copied.copied_layers == "2 of 6 layers of model.layers copied from layer 2's ops (4 interpreted)"
+    assert copied.copied_layers == "2 of 7 layers of model.layers copied from layer 3's ops (5 interpreted)"
     assert full.copied_layers == ""
     assert str(copied.explanation) == str(full.explanation)
     assert str(copied.forward) == str(full.forward) and str(copied.backward) == str(full.backward)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_copying_identical_hugging_face_layers_prints_the_plan_of_interpreting_them_all(tmp_path):
+    """As above on the Hugging Face Llama of ``tests/fixtures/hf_tiny_llama`` with 7 layers (the path users take
+    with ``--model hf:DIR``): its layers' code names the rotary function's ``q`` and ``k`` after the variables in
+    layer 1 too, and its prologue checks each layer's attributes (``layer_idx``, the norms' ``variance_epsilon``),
+    which the copies must pass. The same printed plan and traces with and without the shortcut."""
+    pytest.importorskip("transformers")
+    config = json.loads((HF_LLAMA / "config.json").read_text()) | {"num_hidden_layers": 7}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = build_model(f"hf:{tmp_path}", seq=8)
+    copied, full = (dry_run(model.module, model.args, 8, kwargs=model.kwargs, device="cuda", trace_every_layer=every)
+                    for every in (False, True))
+    assert copied.copied_layers == "2 of 7 layers of model.layers copied from layer 3's ops (5 interpreted)"
+    assert full.copied_layers == ""
+    assert str(copied.explanation) == str(full.explanation)
+    assert str(copied.forward) == str(full.forward) and str(copied.backward) == str(full.backward)
+
+
+class _ScaledLayer(torch.nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16, bias=False)
+        self.scale = scale  # a number the trace bakes in (the prologue checks it), as a layer's window or eps
+
+    def forward(self, x):
+        return x + self.fc(x) * self.scale
+
+
+class _ScaledStack(torch.nn.Module):
+    def __init__(self, scales):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ScaledLayer(s) for s in scales)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_layers_whose_checked_attributes_differ_are_interpreted_whole():
+    """Seven layers of one class and shapes whose fifth (a copied one) scales by 0.5, the traced ones by 1.0, as
+    models that alternate sliding-window and full attention differ in a number the trace bakes in: the shortcut
+    says so and interprets every layer, and the traces are those of the full interpretation (copying layer 3's ops
+    multiplied layer 4 by 1.0: the forward traces differed)."""
+    with torch.device("meta"):
+        module, x = _ScaledStack([1.0, 1.0, 1.0, 1.0, 0.5, 1.0, 1.0]), torch.zeros(2, 16)
+    copied, full = (dry_run(module, (x,), 2, device="cpu", units="blocks", trace_every_layer=every)
+                    for every in (False, True))
+    assert copied.copied_layers == (
+        "every layer of layers interpreted: they do not repeat (layers.4.scale is 0.5, traced as 1.0 in layer 3)")
+    assert str(copied.forward) == str(full.forward) and str(copied.explanation) == str(full.explanation)
 
 
 def test_hf_config_errors_say_what_to_do(tmp_path):

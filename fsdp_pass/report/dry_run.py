@@ -16,7 +16,7 @@ without allocating the model.
    sdpa executor, whose kernel is chosen for meta tensors as torch does on an H100
    (:mod:`fsdp_pass.report.meta_attention`, the one modelled step), and the rest fused by torchcompile.
    ``DryRun.lowering`` says which, in words.
-5. A stack of identical layers is interpreted for four of them and the rest copied from layer 2's ops
+5. A stack of identical layers is interpreted for five of them and the rest copied from layer 3's ops
    (:mod:`fsdp_pass.report.repeated_layers`; most of the time is Thunder's interpreter, layer by layer): the same
    traces, the same printed plan (``trace_every_layer=True`` interprets all; ``DryRun.copied_layers`` says which).
 6. :func:`~fsdp_pass.report.explain.explain_step` reads the final traces: per-unit schedule, bytes, predicted memory.
@@ -56,7 +56,9 @@ class DryRun:
     fsdp: object = None  # the FSDP transform that compiled it (its predict_step(cost) prices the plan)
     device: str = "cpu"  # the device the traces were lowered for ("cpu" or "cuda")
     lowering: str = ""  # what the executors keep, in words (what is traced, what is modelled)
-    copied_layers: str = ""  # e.g. "28 of 32 layers of model.layers copied from layer 2's ops" ("": all interpreted)
+    # e.g. "27 of 32 layers of model.layers copied from layer 3's ops (5 interpreted)", or why none were (the layers
+    # do not repeat); "": no stack of identical layers, or every layer asked for
+    copied_layers: str = ""
 
     def predict_step(self, cost=None):
         """The step model's step time and peak for this plan (:func:`fsdp_pass.predict_step`); ``cost`` None:
@@ -141,7 +143,7 @@ def dry_run(
     to lower for, ``"cuda"`` or ``"cpu"`` (None: :func:`target_device` of ``fsdp_kwargs``' ``cost``); ``executors``:
     Thunder executors to lower with (default: the dry run's list for ``device``); ``mesh``: ``(replicas, shard size)``
     for HSDP on a 2-D mesh of ``world_size`` ranks (None: FSDP over all of them); ``trace_every_layer``: have Thunder
-    interpret every layer of a stack of identical layers (False: four of them, the rest copied, the same traces
+    interpret every layer of a stack of identical layers (False: five of them, the rest copied, the same traces
     in a fraction of the time: :mod:`fsdp_pass.report.repeated_layers`); ``fsdp_kwargs`` go to
     :class:`~fsdp_pass.FSDP` (``units``, ``schedule``, ``reshard_after_forward``, ...).
     """
@@ -172,8 +174,6 @@ def dry_run(
         thunder.compile_data(jm).get_computation_and_inputs(*args, **kwargs)
     seconds = time.perf_counter() - t0
     step = fsdp.compiled_step
-    copies = ""
-    if copied is not None and copied.layers:
-        copies = f"{copied.layers} of {copied.layers + 4} layers of {copied.stack} copied from layer 2's ops (4 interpreted)"
+    copies = str(copied) if copied is not None else ""
     return DryRun(explain_step(step, optimizer), step.forward, step.backward, tuple(e.name for e in executors), seconds,
                   fsdp, device, lowering, copies)
