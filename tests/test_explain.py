@@ -303,7 +303,8 @@ def test_the_cli_units_left_out_are_fsdps_default(units, monkeypatch):
     (with the cost inputs of --cost, h100-nvlink by default, as for the auto plan); --units blocks: one per block."""
     made = []
 
-    def made_fsdp(module, args, world_size, strategy, kwargs=None, optimizer=None, device=None, mesh=None, **options):
+    def made_fsdp(module, args, world_size, strategy, kwargs=None, optimizer=None, device=None, mesh=None,
+                  trace_every_layer=False, **options):
         made.append(FSDP(strategy, device="meta", **options).options)
         raise _Compiled
 
