@@ -236,24 +236,6 @@ def is_prologue_value_check(bsym) -> bool:
     return _id(bsym) in _VALUE_CHECKS
 
 
-_BOOKKEEPING = frozenset(
-    {
-        prims.PrimIDs.DEL,
-        prims.PrimIDs.COMMENT,
-        prims.PrimIDs.RETURN,
-        prims.PrimIDs.UNPACK_TRIVIAL,
-        prims.PrimIDs.UNPACK_SEQUENCE,
-        prims.PrimIDs.UNPACK_KEY,
-        prims.PrimIDs.UNPACK_EMPTY_DICT,
-        "clear_mutable_collection",
-        "shallow_copy",
-        # the per-step agreement's host-side exchange around the first collective: no device work
-        EXCHANGE_STEP_DIGEST,
-        AWAIT_STEP_DIGESTS,
-    }
-)
-
-
 _INPUT_UNPACKING = frozenset(
     {
         prims.PrimIDs.COMMENT,
@@ -263,6 +245,17 @@ _INPUT_UNPACKING = frozenset(
         prims.PrimIDs.UNPACK_EMPTY_DICT,
     }
 )
+
+
+_BOOKKEEPING = _INPUT_UNPACKING | {
+    prims.PrimIDs.DEL,
+    prims.PrimIDs.RETURN,
+    "clear_mutable_collection",
+    "shallow_copy",
+    # the per-step agreement's host-side exchange around the first collective: no device work
+    EXCHANGE_STEP_DIGEST,
+    AWAIT_STEP_DIGESTS,
+}
 
 
 def is_input_unpacking(bsym) -> bool:
